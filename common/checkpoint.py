@@ -1,0 +1,204 @@
+"""Checkpoints that never lose work.
+
+Layout under `<run.dir>/checkpoints/`:
+  step_00000100/        a complete checkpoint: torch.distributed.checkpoint shards (model,
+                        optimizer, EMA, frozen modules), rng_rank<r>.pt, meta.json (step, loader
+                        state, model signature, resolved config)
+  step_00000200.tmp/    being written (or died while being written): never picked, removed later
+  latest                name of the newest complete checkpoint, replaced atomically
+
+A checkpoint becomes visible only by the rename of its finished .tmp directory, after every rank
+has written its part and meta.json is on disk, so a process killed mid-save leaves the previous
+checkpoint as `latest`. DCP files are sharded per rank and resharded on load, so a checkpoint
+written under one parallel layout loads under another.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from common import dist as mdist
+
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+META = "meta.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used for this run; printed as one line."""
+
+
+def _fsync_write(path: str, text: str) -> None:
+    tmp = path + ".partial"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def is_complete(path: str) -> bool:
+    return os.path.isdir(path) and _STEP_DIR.match(os.path.basename(path.rstrip("/"))) is not None \
+        and os.path.isfile(os.path.join(path, META))
+
+
+def list_complete(root: str) -> list[str]:
+    if not os.path.isdir(root):
+        return []
+    found = [os.path.join(root, d) for d in os.listdir(root) if _STEP_DIR.match(d)]
+    return sorted((p for p in found if is_complete(p)), key=lambda p: int(_STEP_DIR.match(os.path.basename(p)).group(1)))
+
+
+def latest_complete(root: str) -> str | None:
+    """The `latest` pointer if it names a complete checkpoint, else the highest complete step."""
+    pointer = os.path.join(root, "latest")
+    if os.path.isfile(pointer):
+        with open(pointer) as f:
+            candidate = os.path.join(root, f.read().strip())
+        if is_complete(candidate):
+            return candidate
+    done = list_complete(root)
+    return done[-1] if done else None
+
+
+def read_meta(path: str) -> dict:
+    with open(os.path.join(path, META)) as f:
+        return json.load(f)
+
+
+class CheckpointManager:
+    """Save/resume of the whole training state; every rank calls every method."""
+
+    def __init__(self, root: str, keep_last: int, signature: dict[str, Any], info: mdist.DistInfo):
+        self.root = root
+        self.keep_last = max(1, keep_last)
+        self.signature = signature
+        self.info = info
+        if info.is_main:
+            os.makedirs(root, exist_ok=True)
+        mdist.barrier()
+
+    # ------------------------------------------------------------------ resolve
+    def resolve(self, resume: str) -> str | None:
+        if resume in ("none", "", "false", "no"):
+            return None
+        if resume == "auto":
+            return latest_complete(self.root)
+        path = resume
+        if not os.path.exists(path):
+            raise CheckpointError(f"resume checkpoint not found: {path}")
+        if not is_complete(path):
+            # A run directory or its checkpoints/ folder: take its newest checkpoint.
+            for root in (path, os.path.join(path, "checkpoints")):
+                found = latest_complete(root)
+                if found:
+                    return found
+            raise CheckpointError(f"{path} is not a complete checkpoint (no {META}; interrupted save?)")
+        return path
+
+    def check_signature(self, path: str) -> dict:
+        try:
+            meta = read_meta(path)
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{path}: unreadable {META}: {e}") from None
+        theirs = meta.get("signature", {})
+        if theirs != self.signature:
+            diff = sorted(k for k in set(theirs) | set(self.signature) if theirs.get(k) != self.signature.get(k))
+            shown = ", ".join(f"{k}: checkpoint {theirs.get(k)!r} vs run {self.signature.get(k)!r}" for k in diff[:4])
+            raise CheckpointError(f"checkpoint {path} was written for another model ({shown})")
+        return meta
+
+    # ------------------------------------------------------------------ save
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             tensors: dict[str, dict[str, torch.Tensor]], meta: dict[str, Any]) -> str:
+        """`tensors`: extra named tensor dicts (EMA, frozen modules) saved through DCP as well."""
+        name = f"step_{step:08d}"
+        final = os.path.join(self.root, name)
+        tmp = final + ".tmp"
+        if self.info.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        mdist.barrier()
+        state = {
+            "model": get_model_state_dict(model),
+            "optim": get_optimizer_state_dict(model, optimizer),
+            **tensors,
+        }
+        dcp.save(state, checkpoint_id=tmp)
+        torch.save(mdist.rng_state(), os.path.join(tmp, f"rng_rank{self.info.rank}.pt"))
+        mdist.barrier()
+        if self.info.is_main:
+            full_meta = {"step": step, "signature": self.signature, "world_size": self.info.world_size,
+                         "time": time.time(), **meta}
+            _fsync_write(os.path.join(tmp, META), json.dumps(full_meta, indent=1, default=str))
+            if os.path.exists(final):  # re-saving a step after a resume: replace the older copy
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_write(os.path.join(self.root, "latest"), name + "\n")
+            self._retain()
+        mdist.barrier()
+        return final
+
+    def _retain(self) -> None:
+        done = list_complete(self.root)
+        for old in done[: -self.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+        for d in os.listdir(self.root):  # leftovers of saves that died mid-way
+            if d.endswith(".tmp"):
+                shutil.rmtree(os.path.join(self.root, d), ignore_errors=True)
+
+    # ------------------------------------------------------------------ load
+    def load(self, path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             tensors: dict[str, dict[str, torch.Tensor]]) -> dict:
+        meta = self.check_signature(path)
+        state = {
+            "model": get_model_state_dict(model),
+            "optim": get_optimizer_state_dict(model, optimizer),
+            **tensors,
+        }
+        try:
+            dcp.load(state, checkpoint_id=path)
+        except Exception as e:
+            raise CheckpointError(f"cannot load {path}: {str(e).splitlines()[0][:300]}") from None
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, optimizer, state["optim"])
+        for key, sd in tensors.items():  # DCP loads in place; copy back where the dict held copies
+            for name, t in state[key].items():
+                if sd[name] is not t:
+                    sd[name].copy_(t)
+        rng_file = os.path.join(path, f"rng_rank{self.info.rank}.pt")
+        if os.path.isfile(rng_file) and meta.get("world_size") == self.info.world_size:
+            mdist.set_rng_state(torch.load(rng_file, weights_only=False))
+        return meta
+
+
+def load_model_weights(path: str, model: torch.nn.Module, tensors: dict[str, dict[str, torch.Tensor]] | None = None,
+                       signature: dict | None = None) -> dict:
+    """Inference-side load (single process): model weights plus named tensor dicts (EMA...)."""
+    if not is_complete(path):
+        found = latest_complete(path) or latest_complete(os.path.join(path, "checkpoints"))
+        if not found:
+            raise CheckpointError(f"no complete checkpoint under {path}")
+        path = found
+    meta = read_meta(path)
+    if signature is not None and meta.get("signature") != signature:
+        raise CheckpointError(f"checkpoint {path} was written for another model")
+    state = {"model": get_model_state_dict(model, options=StateDictOptions()), **(tensors or {})}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    meta["path"] = path
+    return meta
+

@@ -1,0 +1,238 @@
+"""Typed configuration: dataclass schemas, YAML files and dotted `key=value` overrides.
+
+OmegaConf structured configs do the merging and type checking; this module turns their
+exceptions into one-line messages that name the key, the value and what was expected, and
+prints `--help` from the schema itself so the documentation cannot drift from the code.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import sys
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING, OmegaConf
+from omegaconf import errors as oc_errors
+
+
+class ConfigError(ValueError):
+    """A user mistake in a config file or override; printed as one line, no traceback."""
+
+
+def doc(default: Any = MISSING, help: str = "", factory=None):  # noqa: A002 - mirrors argparse
+    """A dataclass field carrying its help text (shown by --help)."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+# --------------------------------------------------------------------------- shared sections
+@dataclass
+class RunConfig:
+    dir: str = doc("runs/default", "run directory: config.yaml, metrics.jsonl, checkpoints/, tb/, samples/")
+    seed: int = doc(0, "global seed; per-sample noise is seeded from (seed, global sample position)")
+    resume: str = doc("auto", "auto: latest complete checkpoint in run.dir if any; none: start fresh; or a checkpoint path")
+    name: str = doc("", "free-form run name shown in logs")
+
+
+@dataclass
+class DataConfig:
+    train_shards: str = doc("datasets/synth/train", "training shards: a directory, brace pattern or glob")
+    eval_shards: str = doc("datasets/synth/heldout", "held-out shards used by eval.py")
+    micro_batch_size: int = doc(32, "samples per rank per forward/backward")
+    num_workers: int = doc(2, "loader worker processes per rank (0: load in the training process)")
+    shuffle: bool = doc(True, "deterministic per-epoch shuffle of shards and samples")
+    shuffle_window: int = doc(8, "shards whose samples are shuffled together (the shuffle-buffer equivalent)")
+    prefetch_factor: int = doc(2, "micro-batches prefetched per worker")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = doc(1e-3, "peak learning rate (AdamW)")
+    min_lr_ratio: float = doc(0.1, "final LR as a fraction of the peak (cosine decay)")
+    warmup_steps: int = doc(50, "linear warmup steps")
+    schedule: str = doc("cosine", "cosine | constant (after warmup)")
+    weight_decay: float = doc(0.0, "AdamW decoupled weight decay")
+    beta1: float = doc(0.9, "AdamW beta1")
+    beta2: float = doc(0.99, "AdamW beta2")
+    eps: float = doc(1e-8, "AdamW epsilon")
+    grad_clip: float = doc(1.0, "clip the global gradient norm to this value (<= 0: no clipping)")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = doc(1000, "optimizer steps in total")
+    grad_accum: int = doc(1, "micro-batches per optimizer step")
+    log_every: int = doc(10, "steps between metrics lines (JSONL, TensorBoard)")
+    ckpt_every: int = doc(200, "steps between checkpoints (the last step is always saved)")
+    keep_last: int = doc(3, "checkpoints kept (older ones are deleted once a newer one is complete)")
+    sample_every: int = doc(0, "steps between sample grids (0: only at the end)")
+    ema_decay: float = doc(0.999, "EMA decay of the weights used for sampling (0: no EMA)")
+    ema_warmup: bool = doc(True, "use min(decay, (1+step)/(10+step)) so early EMA is not stuck at init")
+    max_bad_steps: int = doc(5, "consecutive non-finite losses/gradients that stop the run")
+    peak_flops: float = doc(0.0, "device peak FLOP/s for MFU (0: measure an fp32 matmul at start on CPU)")
+    progress: bool = doc(True, "console progress bar with ETA")
+    stop_after: int = doc(0, "stop (without final save) after this step; tests use it to simulate a kill")
+
+
+@dataclass
+class ParallelConfig:
+    dp_mode: str = doc("auto", "auto | none | ddp | fsdp. auto: ddp when world size > 1")
+    reshard_after_forward: bool = doc(True, "FSDP: True = ZeRO-3, False = ZeRO-2 behaviour")
+    cpu_offload: bool = doc(False, "FSDP: keep sharded parameters and optimizer state on the CPU")
+
+
+# --------------------------------------------------------------------------- loading
+def _all_keys(node, prefix: str = "") -> list[str]:
+    keys = []
+    for k in node.keys() if OmegaConf.is_dict(node) else []:
+        full = f"{prefix}{k}"
+        keys.append(full)
+        child = node._get_node(k)
+        if OmegaConf.is_dict(child):
+            keys.extend(_all_keys(child, full + "."))
+    return keys
+
+
+def _unknown_key_message(schema, bad_key: str) -> str:
+    valid = _all_keys(schema)
+    close = difflib.get_close_matches(bad_key, valid, n=3, cutoff=0.5)
+    leaf = bad_key.rsplit(".", 1)[-1]
+    close += [k for k in valid if k.rsplit(".", 1)[-1] == leaf and k not in close][:3]
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    return f"unknown config key '{bad_key}'{hint}"
+
+
+def _translate(err: Exception, schema, origin: str) -> ConfigError:
+    key = getattr(err, "full_key", None) or ""
+    if isinstance(err, (oc_errors.ConfigKeyError, oc_errors.ConfigAttributeError)):
+        return ConfigError(f"{origin}: " + _unknown_key_message(schema, key or str(err)))
+    if isinstance(err, oc_errors.ValidationError):
+        msg = str(err).splitlines()[0]
+        expected = _expected_type(schema, key)
+        return ConfigError(f"{origin}: config key '{key}': {msg}" + (f"; expected {expected}" if expected else ""))
+    return ConfigError(f"{origin}: {str(err).splitlines()[0]}")
+
+
+def _expected_type(schema, key: str) -> str:
+    node = schema
+    try:
+        for part in key.split("."):
+            node = node._get_node(part)
+        return _type_name(node._metadata.ref_type)
+    except Exception:
+        return ""
+
+
+def _parse_override(item: str) -> tuple[str, str]:
+    if "=" not in item or item.startswith("="):
+        raise ConfigError(f"override '{item}' is not of the form key=value (e.g. optim.lr=3e-4)")
+    key, value = item.split("=", 1)
+    return key.strip(), value
+
+
+def build_config(schema_cls, config_file: str | None = None, overrides: typing.Sequence[str] = ()):
+    """Schema defaults <- YAML file <- overrides, type-checked; returns the dataclass instance."""
+    schema = OmegaConf.structured(schema_cls)
+    cfg = schema
+    if config_file:
+        if not os.path.isfile(config_file):
+            raise ConfigError(f"config file not found: {config_file}")
+        try:
+            file_cfg = OmegaConf.load(config_file)
+        except Exception as e:  # yaml syntax errors are long; keep the first line
+            raise ConfigError(f"{config_file}: cannot parse YAML: {str(e).splitlines()[0]}") from None
+        try:
+            cfg = OmegaConf.merge(cfg, file_cfg)
+        except Exception as e:
+            raise _translate(e, schema, config_file) from None
+    for item in overrides:
+        key, value = _parse_override(item)
+        try:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"{key}={value}"]))
+        except Exception as e:
+            if not getattr(e, "full_key", None):
+                e.full_key = key  # type: ignore[attr-defined]
+            raise _translate(e, schema, f"override '{item}'") from None
+    try:
+        missing = OmegaConf.missing_keys(cfg)
+        if missing:
+            raise ConfigError(f"config keys without a value: {', '.join(sorted(missing))}")
+        obj = OmegaConf.to_object(cfg)
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise _translate(e, schema, "config") from None
+    validate = getattr(obj, "validate", None)
+    if callable(validate):
+        validate()
+    return obj
+
+
+def to_yaml(cfg) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def from_yaml_file(schema_cls, path: str):
+    """Load a resolved config.yaml written by a run (sample/eval read the run's own config)."""
+    return build_config(schema_cls, path, ())
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
+
+
+def help_text(schema_cls, prog: str, description: str) -> str:
+    lines = [f"usage: {prog} --config FILE [key=value ...] [--print-config] [--help]", "", description, "",
+             "Every key below can be set in the YAML file or overridden after it as section.key=value.", ""]
+
+    def walk(cls, prefix):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            if dataclasses.is_dataclass(tp):
+                lines.append(f"[{prefix}{f.name}]")
+                walk(tp, f"{prefix}{f.name}.")
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else (
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else "")
+            lines.append(f"  {prefix}{f.name} ({_type_name(tp)}, default {default!r}): {f.metadata.get('help', '')}")
+
+    walk(schema_cls, "")
+    return "\n".join(lines)
+
+
+def parse_cli(schema_cls, argv: typing.Sequence[str] | None, prog: str, description: str):
+    """Parse `--config FILE [key=value ...] [--print-config]`; `--help` prints every key."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(help_text(schema_cls, prog, description))
+        raise SystemExit(0)
+    print_only = "--print-config" in argv
+    argv = [a for a in argv if a != "--print-config"]
+    config_file = None
+    overrides = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--config":
+            if i + 1 >= len(argv):
+                raise ConfigError("--config needs a file path")
+            config_file = argv[i + 1]
+            i += 2
+            continue
+        if a.startswith("--config="):
+            config_file = a.split("=", 1)[1]
+        elif a.startswith("-"):
+            raise ConfigError(f"unknown option '{a}' (options: --config FILE, --print-config, --help; settings are key=value)")
+        else:
+            overrides.append(a)
+        i += 1
+    cfg = build_config(schema_cls, config_file, overrides)
+    if print_only:
+        print(to_yaml(cfg), end="")
+        raise SystemExit(0)
+    return cfg

@@ -1,0 +1,99 @@
+"""Throughput, MFU and the three log sinks: console progress bar, TensorBoard, metrics.jsonl.
+
+metrics.jsonl is the machine-readable record that tests and benchmarks read: one JSON object per
+logged step (plus event lines such as resumes), appended and flushed line by line so a killed run
+keeps everything it logged.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+
+
+def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024, reps: int = 8) -> float:
+    """Achieved FLOP/s of a large square matmul: the practical peak that CPU-MFU is measured against."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n**3 / best
+
+
+def memory_stats(device: torch.device) -> dict:
+    if device.type == "cuda":
+        return {"mem_alloc_gb": torch.cuda.max_memory_allocated(device) / 2**30}
+    try:
+        import resource
+        return {"max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    except Exception:
+        return {}
+
+
+class MetricsLogger:
+    """Rank 0 writes; other ranks get a logger that does nothing."""
+
+    def __init__(self, run_dir: str, enabled: bool, total_steps: int, start_step: int, progress: bool):
+        self.enabled = enabled
+        self.bar = None
+        self.tb = None
+        self.jsonl = None
+        if not enabled:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            # purge_step drops events a killed run logged past the checkpoint it resumes from.
+            self.tb = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=start_step + 1 if start_step else None)
+        except Exception as e:  # TensorBoard is optional for the loop itself
+            print(f"warning: TensorBoard disabled ({e})")
+        if progress:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, smoothing=0.1)
+
+    def event(self, **fields) -> None:
+        if self.jsonl:
+            self.jsonl.write(json.dumps({"time": time.time(), **fields}) + "\n")
+
+    def log(self, step: int, scalars: dict) -> None:
+        if not self.enabled:
+            return
+        self.jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
+        if self.tb:
+            for k, v in scalars.items():
+                if isinstance(v, (int, float)):
+                    self.tb.add_scalar(f"train/{k}", v, step)
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{scalars.get('loss', float('nan')):.4f}", lr=f"{scalars.get('lr', 0):.2e}", refresh=False)
+
+    def advance(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def message(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb:
+            self.tb.close()
+        if self.jsonl:
+            self.jsonl.close()

@@ -1,0 +1,193 @@
+"""The training loop shared by every pipeline.
+
+A pipeline hands over a (possibly DDP/FSDP-wrapped) model, a loss function
+`loss_fn(model, batch) -> (loss, aux)` and a loader; the Trainer owns gradient accumulation,
+clipping, AdamW, the LR schedule, EMA, non-finite guards, checkpoints, resume and logging.
+
+Exactness: the LR is a pure function of the step, the loader's position is a global sample
+count, and training noise is seeded per sample by the pipeline, so a resumed run repeats the
+uninterrupted one bit for bit on CPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from typing import Any, Callable
+
+import torch
+
+from common import dist as mdist
+from common.checkpoint import CheckpointManager
+from common.ema import EMA
+from common.metrics import MetricsLogger, measure_matmul_peak, memory_stats
+from common.parallel.data_parallel import unwrap
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (e.g. K non-finite steps in a row); printed as one line."""
+
+
+def lr_at(step: int, total_steps: int, optim_cfg) -> float:
+    """LR for the optimizer step with 0-based index `step`: linear warmup, then cosine or constant."""
+    peak = optim_cfg.lr
+    warm = optim_cfg.warmup_steps
+    if warm > 0 and step < warm:
+        return peak * (step + 1) / warm
+    if optim_cfg.schedule == "constant":
+        return peak
+    span = max(1, total_steps - warm)
+    progress = min(1.0, (step - warm) / span)
+    floor = peak * optim_cfg.min_lr_ratio
+    return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_optimizer(model: torch.nn.Module, optim_cfg) -> torch.optim.Optimizer:
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        # Norm gains, biases and tables of modulation offsets are not decayed (standard practice).
+        (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": optim_cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    # foreach=True keeps DTensor (FSDP) and plain tensors on the same, deterministic code path.
+    return torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2),
+                             eps=optim_cfg.eps, foreach=True)
+
+
+def _as_float(t) -> float:
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    return float(t)
+
+
+class Trainer:
+    def __init__(self, cfg, info: mdist.DistInfo, model: torch.nn.Module, mode: str,
+                 loss_fn: Callable[[torch.nn.Module, dict], tuple[torch.Tensor, dict]], loader, *,
+                 signature: dict[str, Any], config_yaml: str,
+                 frozen: dict[str, torch.nn.Module] | None = None,
+                 sample_fn: Callable[[torch.nn.Module, int], None] | None = None,
+                 flops_per_sample: float = 0.0):
+        self.cfg, self.info, self.model, self.mode = cfg, info, model, mode
+        self.loss_fn, self.loader, self.sample_fn = loss_fn, loader, sample_fn
+        self.flops_per_sample = flops_per_sample
+        self.config_yaml = config_yaml
+        self.frozen = frozen or {}
+        self.optimizer = build_optimizer(model, cfg.optim)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.ema = EMA(unwrap(model), cfg.train.ema_decay, cfg.train.ema_warmup) if cfg.train.ema_decay > 0 else None
+        self.ckpt = CheckpointManager(os.path.join(cfg.run.dir, "checkpoints"), cfg.train.keep_last, signature, info)
+        self.global_batch = cfg.data.micro_batch_size * cfg.train.grad_accum * info.world_size
+        self.step = 0
+        self.skipped_steps = 0
+        self.corrupt_total = 0
+
+    # ------------------------------------------------------------------ state
+    def _tensor_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        state = {name: dict(m.state_dict()) for name, m in self.frozen.items()}
+        if self.ema is not None:
+            state["ema"] = self.ema.state_dict()
+        return state
+
+    def save(self) -> str:
+        meta = {"loader": self.loader.state_dict(), "skipped_steps": self.skipped_steps,
+                "corrupt_total": self.corrupt_total, "config": self.config_yaml}
+        return self.ckpt.save(self.step, self.model, self.optimizer, self._tensor_state(), meta)
+
+    def resume(self) -> str | None:
+        path = self.ckpt.resolve(self.cfg.run.resume)
+        if path is None:
+            return None
+        meta = self.ckpt.load(path, self.model, self.optimizer, self._tensor_state())
+        self.step = int(meta["step"])
+        self.loader.load_state_dict(meta["loader"])
+        self.skipped_steps = int(meta.get("skipped_steps", 0))
+        self.corrupt_total = int(meta.get("corrupt_total", 0))
+        return path
+
+    # ------------------------------------------------------------------ loop
+    def _sample(self) -> None:
+        if self.sample_fn is None:
+            return
+        ctx = self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext()
+        with ctx:
+            self.sample_fn(unwrap(self.model), self.step)
+
+    def _peak_flops(self) -> float:
+        if self.cfg.train.peak_flops > 0:
+            return self.cfg.train.peak_flops
+        n = 1024 if self.info.device.type == "cpu" else 8192
+        return measure_matmul_peak(self.info.device, self.info.compute_dtype, n=n)
+
+    def fit(self) -> dict:
+        cfg, tc = self.cfg, self.cfg.train
+        resumed_from = self.resume()
+        log = MetricsLogger(cfg.run.dir, self.info.is_main, tc.steps, self.step, tc.progress and self.info.is_main)
+        if resumed_from:
+            log.event(event="resume", step=self.step, checkpoint=resumed_from)
+            log.message(f"resumed from {resumed_from} at step {self.step}")
+        peak = self._peak_flops() if self.flops_per_sample else 0.0
+        clip = tc.grad_clip if tc.grad_clip > 0 else float("inf")
+        it = iter(self.loader)
+        bad_in_row = 0
+        window_t0, window_samples = time.perf_counter(), 0
+        try:
+            while self.step < tc.steps:
+                lr = lr_at(self.step, tc.steps, cfg.optim)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+                loss_sum = torch.zeros((), dtype=torch.float64)
+                corrupt = 0
+                for micro in range(tc.grad_accum):
+                    batch = next(it)
+                    corrupt += int(batch.get("__corrupt__", 0))
+                    no_sync = self.mode == "ddp" and micro < tc.grad_accum - 1
+                    with self.model.no_sync() if no_sync else contextlib.nullcontext():
+                        loss, _aux = self.loss_fn(self.model, batch)
+                        (loss / tc.grad_accum).backward()
+                    loss_sum += loss.detach().double().cpu()
+                reduced = mdist.all_reduce_mean(torch.stack([loss_sum / tc.grad_accum, torch.tensor(float(corrupt), dtype=torch.float64)]))
+                step_loss = float(reduced[0])
+                self.corrupt_total += round(float(reduced[1]) * self.info.world_size)
+                grad_norm = _as_float(torch.nn.utils.clip_grad_norm_(self.params, clip))
+                if math.isfinite(step_loss) and math.isfinite(grad_norm):
+                    self.optimizer.step()
+                    if self.ema is not None:
+                        self.ema.update(self.step)
+                    bad_in_row = 0
+                else:
+                    self.skipped_steps += 1
+                    bad_in_row += 1
+                    log.message(f"step {self.step + 1}: non-finite loss ({step_loss}) or grad norm ({grad_norm}); step skipped")
+                    if bad_in_row >= tc.max_bad_steps:
+                        raise TrainingError(f"{bad_in_row} non-finite steps in a row (train.max_bad_steps={tc.max_bad_steps}) "
+                                            f"at step {self.step + 1}; lower optim.lr or check the data")
+                self.optimizer.zero_grad(set_to_none=True)
+                self.step += 1
+                window_samples += self.global_batch
+                log.advance()
+                if self.step % tc.log_every == 0 or self.step == tc.steps:
+                    elapsed = time.perf_counter() - window_t0
+                    sps = window_samples / max(elapsed, 1e-9)
+                    scalars = {"loss": step_loss, "lr": lr, "grad_norm": grad_norm, "samples_per_s": sps,
+                               "skipped_steps": self.skipped_steps, "corrupt_samples": self.corrupt_total,
+                               "epoch": getattr(self.loader, "epoch", 0), **memory_stats(self.info.device)}
+                    if peak:
+                        scalars["mfu"] = 3.0 * self.flops_per_sample * sps / (peak * self.info.world_size)
+                    log.log(self.step, scalars)
+                    window_t0, window_samples = time.perf_counter(), 0
+                if tc.stop_after and self.step == tc.stop_after:
+                    log.message(f"stopping after step {self.step} (train.stop_after), as if killed")
+                    log.close()
+                    mdist.barrier()
+                    os._exit(0)  # no final checkpoint, no cleanup: exactly what a kill leaves behind
+                if self.step % tc.ckpt_every == 0 or self.step == tc.steps:
+                    path = self.save()
+                    log.message(f"checkpoint {path}")
+                if (tc.sample_every and self.step % tc.sample_every == 0) or self.step == tc.steps:
+                    self._sample()
+        finally:
+            log.close()
+        return {"step": self.step, "skipped_steps": self.skipped_steps, "corrupt_samples": self.corrupt_total}

@@ -1,0 +1,201 @@
+"""Text-to-image model: frozen open_clip text tower + DiT (adaLN-single, cross-attention to
+text tokens, 2-D RoPE, QK-norm). Architecture only; training and parallelism live elsewhere.
+
+DiT forward:  patches -> tokens (+ 2-D RoPE in attention, no absolute embedding)
+              t -> temb -> t0 = Linear(SiLU(temb)) (6D, shared by all blocks)
+              text tokens -> caption projection -> blocks (cross-attention) -> final layer
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+from torch import nn
+
+from common.kernels import rope_frequencies
+from common.nn import CaptionProjection, DiTBlock, FinalLayer, PatchEmbed2d, TimestepEmbedder, unpatchify
+
+
+# --------------------------------------------------------------------------- text encoder
+@dataclass
+class TextEncoderConfig:
+    width: int = 128
+    layers: int = 2
+    heads: int = 4
+    context_length: int = 32
+    vocab_size: int = 49408
+    weights: str | None = None  # local state-dict file (open_clip text keys); None = random init
+
+
+class TextEncoder(nn.Module):
+    """Frozen open_clip TextTransformer returning per-token features for cross-attention.
+
+    Built with open_clip's own `_build_text_tower` (causal CLIP text transformer, BPE tokenizer
+    bundled with open_clip, so no network). Always in eval mode with requires_grad False; the
+    forward runs under no_grad.
+    """
+
+    def __init__(self, cfg: TextEncoderConfig | None = None):
+        super().__init__()
+        from open_clip.model import CLIPTextCfg, _build_text_tower
+        from open_clip.tokenizer import SimpleTokenizer
+
+        self.cfg = cfg = cfg or TextEncoderConfig()
+        text_cfg = CLIPTextCfg(context_length=cfg.context_length, vocab_size=cfg.vocab_size, width=cfg.width,
+                               heads=cfg.heads, layers=cfg.layers, output_tokens=True, proj_type="none")
+        self.tower = _build_text_tower(cfg.width, text_cfg)
+        self.tokenizer = SimpleTokenizer(context_length=cfg.context_length)
+        if cfg.weights:
+            self.load_weights(cfg.weights)
+        self.requires_grad_(False)
+        self.eval()
+
+    @property
+    def width(self) -> int:
+        return self.cfg.width
+
+    def load_weights(self, path: str) -> None:
+        """Load a text-tower or full CLIP state dict (keys not in the tower, e.g. visual.*, are
+        ignored; a tower key missing from the file is an error)."""
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+        sd = sd.get("state_dict", sd)
+        sd = {k.removeprefix("module."): v for k, v in sd.items()}
+        own = self.tower.state_dict()
+        missing = [k for k in own if k not in sd]
+        if missing:
+            raise KeyError(f"text encoder weights {path} lack keys: {missing[:5]}...")
+        self.tower.load_state_dict({k: sd[k] for k in own})
+
+    def train(self, mode: bool = True):
+        return super().train(False)  # frozen: never leave eval mode (no dropout)
+
+    def tokenize(self, texts: list[str]) -> torch.Tensor:
+        return self.tokenizer(list(texts))
+
+    @torch.no_grad()
+    def forward(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (tokens (B, L, width), key_padding_mask (B, L) bool, True = real token incl. SOT/EOT)."""
+        ids = self.tokenize(texts).to(self.tower.token_embedding.weight.device)
+        _, tokens = self.tower(ids)
+        return tokens, ids != 0  # SimpleTokenizer pads with id 0
+
+
+# --------------------------------------------------------------------------- DiT
+@dataclass
+class DiTConfig:
+    img_size: int = 32
+    in_channels: int = 3
+    patch_size: int = 2
+    hidden: int = 192
+    depth: int = 6
+    heads: int = 4
+    mlp_ratio: float = 4.0
+    text_dim: int = 128
+    text_len: int = 32          # used by the FLOP estimate only
+    qk_norm: bool = True
+    rope_theta: float = 10000.0
+    patch_embed: str = "conv"   # "conv" | "linear"
+
+    @property
+    def num_tokens(self) -> int:
+        return (self.img_size // self.patch_size) ** 2
+
+
+_PRESETS = {
+    # CPU demo at 32 px pixels; see the issue note for measured throughput.
+    "tiny": dict(img_size=32, in_channels=3, patch_size=2, hidden=192, depth=6, heads=4, text_dim=128),
+    # Paper sizes (DiT-S/B/XL), on 32x32x4 latents (256 px with an 8x VAE).
+    "S": dict(img_size=32, in_channels=4, patch_size=2, hidden=384, depth=12, heads=6, text_dim=512),
+    "B": dict(img_size=32, in_channels=4, patch_size=2, hidden=768, depth=12, heads=12, text_dim=512),
+    "XL": dict(img_size=32, in_channels=4, patch_size=2, hidden=1152, depth=28, heads=16, text_dim=768),
+}
+
+
+def dit_config(name: str, **overrides) -> DiTConfig:
+    if name not in _PRESETS:
+        raise ValueError(f"unknown DiT preset {name!r}; choose from {sorted(_PRESETS)}")
+    known = {f.name for f in fields(DiTConfig)}
+    bad = set(overrides) - known
+    if bad:
+        raise ValueError(f"unknown DiTConfig fields {sorted(bad)}")
+    return replace(DiTConfig(**_PRESETS[name]), **overrides)
+
+
+def dit_flops(cfg: DiTConfig, num_tokens: int | None = None, text_len: int | None = None) -> int:
+    """Forward FLOPs per sample (2 per multiply-add) of matmuls and attention; norms,
+    activations and elementwise ops are ignored (<1%). Training is about 3x this."""
+    n = cfg.num_tokens if num_tokens is None else num_tokens
+    lt = cfg.text_len if text_len is None else text_len
+    d, pd = cfg.hidden, cfg.patch_size ** 2 * cfg.in_channels
+    mlp = int(d * cfg.mlp_ratio)
+    per_block = (2 * n * d * 3 * d + 2 * n * d * d + 4 * n * n * d       # self-attn
+                 + 2 * n * d * d + 2 * lt * d * 2 * d + 2 * n * d * d    # cross q, kv, out
+                 + 4 * n * lt * d                                        # cross scores + AV
+                 + 2 * 2 * n * d * mlp)                                  # MLP
+    embed = 2 * n * pd * d + 2 * n * d * pd                              # patch in, final out
+    cond = 2 * (256 * d + d * d + d * 6 * d) + 2 * lt * (cfg.text_dim * d + d * d)
+    return int(cfg.depth * per_block + embed + cond)
+
+
+class DiT(nn.Module):
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        head_dim = cfg.hidden // cfg.heads
+        if cfg.hidden % cfg.heads or head_dim % 4:
+            raise ValueError(f"hidden/heads = {cfg.hidden}/{cfg.heads} must give a head dim divisible by 4 "
+                             "(2-D RoPE splits it into two rotate-half axes)")
+        self.cfg = cfg
+        d = cfg.hidden
+        self.patch_embed = PatchEmbed2d(cfg.in_channels, d, cfg.patch_size, cfg.patch_embed)
+        self.t_embedder = TimestepEmbedder(d)
+        self.t_block = nn.Sequential(nn.SiLU(), nn.Linear(d, 6 * d))  # adaLN-single global t0
+        self.caption_proj = CaptionProjection(cfg.text_dim, d)
+        self.blocks = nn.ModuleList(DiTBlock(d, cfg.heads, cfg.mlp_ratio, qk_norm=cfg.qk_norm)
+                                    for _ in range(cfg.depth))
+        self.final = FinalLayer(d, cfg.patch_size ** 2 * cfg.in_channels)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # DiT init: xavier patch embed (as a linear), N(0, 0.02) timestep MLP, zero adaLN output
+        # (with zero gates this makes every block the identity at start).
+        w = self.patch_embed.proj.weight
+        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+        nn.init.zeros_(self.patch_embed.proj.bias)
+        for m in self.t_embedder.mlp:
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=0.02)
+                nn.init.zeros_(m.bias)
+        for m in (self.caption_proj.fc1, self.caption_proj.fc2):
+            nn.init.normal_(m.weight, std=0.02)
+            nn.init.zeros_(m.bias)
+        nn.init.zeros_(self.t_block[1].weight)
+        nn.init.zeros_(self.t_block[1].bias)
+        for b in self.blocks:
+            b.reset_parameters()
+        self.final.reset_parameters()
+
+    def rope(self, grid_h: int, grid_w: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row, col) integer positions, head dim split evenly between the two axes."""
+        rows, cols = torch.meshgrid(torch.arange(grid_h, device=device), torch.arange(grid_w, device=device),
+                                    indexing="ij")
+        pos = torch.stack([rows.reshape(-1), cols.reshape(-1)], dim=-1)
+        half = self.cfg.hidden // self.cfg.heads // 2
+        return rope_frequencies(pos, (half, half), self.cfg.rope_theta)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor,
+                context_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, C, H, W); t (B,) in [0, 1] (0 = data); context (B, L, text_dim);
+        context_mask (B, L) bool True = real token. Returns (B, C, H, W)."""
+        p = self.cfg.patch_size
+        gh, gw = x.shape[-2] // p, x.shape[-1] // p
+        h = self.patch_embed(x)
+        rope = self.rope(gh, gw, x.device)
+        temb = self.t_embedder(t)
+        t0 = self.t_block(temb)
+        ctx = self.caption_proj(context.to(h.dtype))
+        for block in self.blocks:
+            h = block(h, t0, ctx, context_mask, rope)
+        return unpatchify(self.final(h, temb), gh, gw, p, self.cfg.in_channels)
+
+    def flops_per_sample(self, num_tokens: int | None = None, text_len: int | None = None) -> int:
+        return dit_flops(self.cfg, num_tokens, text_len)

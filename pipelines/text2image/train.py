@@ -1,0 +1,88 @@
+"""Train a text-to-image DiT.
+
+  python -m pipelines.text2image.train --config pipelines/text2image/configs/tiny.yaml [key=value ...]
+  torchrun --nproc_per_node 2 -m pipelines.text2image.train --config ... parallel.dp_mode=fsdp
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from common import dist as mdist
+from common.cli import run_cli
+from common.config import parse_cli, to_yaml
+from common.data import StreamingLoader
+from common.trainer import Trainer
+from pipelines.text2image import components
+from pipelines.text2image.config import T2IConfig
+from pipelines.text2image.data import ImageDecoder
+from pipelines.text2image.parallelize import parallelize
+
+
+def eval_prompts(cfg: T2IConfig, n: int) -> list[str]:
+    """The first n captions of the held-out shards (the sample grid shows unseen combinations)."""
+    if n <= 0 or not cfg.data.eval_shards:
+        return []
+    from common.data import ShardIndex, expand_shards
+    index = ShardIndex(expand_shards(cfg.data.eval_shards))
+    prompts = []
+    for shard_id, size in enumerate(index.shard_sizes):
+        for sample_id in range(size):
+            prompts.append(index.read(shard_id, sample_id)["txt"].decode().strip())
+            if len(prompts) == n:
+                return prompts
+    return prompts
+
+
+def main(argv=None) -> int:
+    cfg: T2IConfig = parse_cli(T2IConfig, argv, "python -m pipelines.text2image.train", __doc__.strip().splitlines()[0])
+    info = mdist.init_distributed()
+    mdist.seed_everything(cfg.run.seed, info.rank)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    comp = components.build(cfg)
+    loader = StreamingLoader(cfg.data.train_shards, ImageDecoder(cfg.model.image_size, use_latents=bool(cfg.vae.path)),
+                             micro_batch_size=cfg.data.micro_batch_size, dp_rank=info.rank, dp_size=info.world_size,
+                             num_workers=cfg.data.num_workers, seed=cfg.run.seed, shuffle=cfg.data.shuffle,
+                             window=cfg.data.shuffle_window, prefetch_factor=cfg.data.prefetch_factor)
+    prompts = eval_prompts(cfg, cfg.sample.num)
+    config_yaml = to_yaml(cfg)
+    if info.is_main:
+        os.makedirs(cfg.run.dir, exist_ok=True)
+        with open(os.path.join(cfg.run.dir, "config.yaml"), "w") as f:
+            f.write(config_yaml)
+        n_params = sum(p.numel() for p in comp.model.parameters())
+        print(f"text2image: DiT {n_params / 1e6:.2f}M params, {comp.num_tokens} tokens/sample, "
+              f"{loader.num_samples} training samples, world size {info.world_size}, device {info.device}", flush=True)
+    comp.model.to(info.device)
+    comp.text_encoder.to(info.device)
+    if comp.vae is not None:
+        comp.vae.to(info.device)
+    model, mode = parallelize(comp.model, cfg.parallel, info)
+
+    def sample_fn(model_for_sampling, step: int) -> None:
+        if not prompts:
+            return
+        seeds = [cfg.sample.seed + i for i in range(len(prompts))]
+        images = components.generate(comp, model_for_sampling, prompts, seeds, steps=cfg.sample.steps,
+                                     guidance=cfg.sample.cfg, device=info.device)
+        if info.is_main:
+            path = os.path.join(cfg.run.dir, "samples", f"step_{step:08d}.png")
+            components.save_grid(images, path, scale=4)
+            with open(os.path.join(cfg.run.dir, "samples", f"step_{step:08d}.txt"), "w") as f:
+                f.write("\n".join(prompts) + "\n")
+
+    trainer = Trainer(cfg, info, model, mode, components.make_loss_fn(comp, info.device), loader,
+                      signature=components.signature(cfg, comp), config_yaml=config_yaml,
+                      frozen={"text_encoder": comp.text_encoder}, sample_fn=sample_fn,
+                      flops_per_sample=comp.model.flops_per_sample())
+    summary = trainer.fit()
+    if info.is_main:
+        print(f"done: step {summary['step']}, skipped steps {summary['skipped_steps']}, "
+              f"corrupt samples {summary['corrupt_samples']}; run dir {cfg.run.dir}", flush=True)
+    mdist.teardown()
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)
