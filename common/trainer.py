@@ -129,7 +129,7 @@ class Trainer:
             log.event(event="resume", step=self.step, checkpoint=resumed_from)
             log.message(f"resumed from {resumed_from} at step {self.step}")
         peak = self._peak_flops() if self.flops_per_sample else 0.0
-        clip = tc.grad_clip if tc.grad_clip > 0 else float("inf")
+        clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
         it = iter(self.loader)
         bad_in_row = 0
         window_t0, window_samples = time.perf_counter(), 0

@@ -15,7 +15,7 @@ from common.diffusion.ddpm import DDPM
 from common.diffusion.flow import RectifiedFlow
 from common.diffusion.samplers import ddim_sample, euler_sample
 from pipelines.text2image.config import T2IConfig
-from pipelines.text2image.model import DiT, TextEncoder, dit_config
+from pipelines.text2image.model import DiT, TextEncoder, TextEncoderConfig, dit_config
 
 PIPELINE = "text2image"
 
@@ -32,7 +32,7 @@ class Components:
 
     @property
     def num_tokens(self) -> int:
-        return (self.latent_size // self.model.config.patch_size) ** 2
+        return (self.latent_size // self.model.cfg.patch_size) ** 2
 
 
 def model_overrides(cfg: T2IConfig) -> dict:
@@ -68,10 +68,10 @@ def build(cfg: T2IConfig) -> Components:
     # resume and sample.py rebuild exactly the same tower (it is also saved in checkpoints).
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(dnoise.mix_seed(cfg.run.seed, 101))
-        text = TextEncoder(width=cfg.text.width, layers=cfg.text.layers, heads=cfg.text.heads,
-                           context_length=cfg.text.context_length, weights=cfg.text.weights or None)
+        text = TextEncoder(TextEncoderConfig(width=cfg.text.width, layers=cfg.text.layers, heads=cfg.text.heads,
+                                             context_length=cfg.text.context_length, weights=cfg.text.weights or None))
         torch.manual_seed(dnoise.mix_seed(cfg.run.seed, 102))
-        dcfg = dit_config(cfg.model.preset, img_size=size, in_channels=channels, text_dim=cfg.text.width,
+        dcfg = dit_config(cfg.model.preset, img_size=size, in_channels=channels, text_dim=cfg.text.width, text_len=cfg.text.context_length,
                           **model_overrides(cfg))
         if size % dcfg.patch_size:
             raise ConfigError(f"model input size {size} is not divisible by model.patch_size={dcfg.patch_size}")
@@ -83,7 +83,7 @@ def build(cfg: T2IConfig) -> Components:
 
 def signature(cfg: T2IConfig, comp: Components) -> dict:
     """What must match for a checkpoint to load into this run (checked before any tensor is read)."""
-    return {"pipeline": PIPELINE, "model": dataclasses.asdict(comp.model.config),
+    return {"pipeline": PIPELINE, "model": dataclasses.asdict(comp.model.cfg),
             "text": {k: v for k, v in dataclasses.asdict(cfg.text).items() if k != "weights"},
             "latent": [comp.latent_channels, comp.latent_size]}
 
