@@ -1,0 +1,274 @@
+"""Synthetic compositional shapes dataset: the default data every pipeline trains on out of the box.
+
+    python -m data.synth --out datasets/shapes            # 20000 train + 512 held-out, 32 px
+
+Writes WebDataset shards DIR/train/shard-000000.tar ... and DIR/heldout/shard-000000.tar ...,
+each sample holding `__key__`, `png`, `txt` (caption) and `json` (attributes), then
+DIR/manifest.json last, so its presence marks a complete dataset. The held-out split contains only
+the (shape, colour) pairs in `data.shapes.HELDOUT_COMBOS`, which never occur in train.
+
+Output is a pure function of the arguments: every sample draws from its own generator seeded by
+(seed, split, index), PNGs are encoded with fixed settings and tar members get mtime 0, so the same
+arguments give byte-identical shards on any run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import io
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import webdataset as wds
+from PIL import Image
+from tqdm import tqdm
+
+from data import shapes as S
+
+SPLITS = ("train", "heldout")
+_SPLIT_CODE = {"train": 0, "heldout": 1}
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+_RADIUS_JITTER = 0.08  # relative; small enough that size names never overlap
+_POS_JITTER = 0.06  # fraction of the image side around the named grid point
+
+# Every template names the colour and the shape; the others add size, position and background so
+# text encoders see the same attribute phrased several ways.
+TEMPLATES: list[str] = [
+    "{a_colour} {shape}",
+    "{colour} {shape}",
+    "{a_size} {colour} {shape}",
+    "{a_colour} {shape} on a {background} background",
+    "{a_size} {colour} {shape} {position}",
+    "a picture of {a_size} {colour} {shape}, {background} background",
+    "{a_colour} {shape} {position} on a {background} background",
+    "there is {a_colour} {shape} {position} of the image",
+    "{background} background with {a_size} {colour} {shape}",
+    "a {shape} coloured {colour}",
+    "{a_size} {colour} {shape} on {background}",
+    "an image of {a_colour} {shape}",
+]
+
+
+def _article(word: str) -> str:
+    return ("an " if word[0] in "aeiou" else "a ") + word
+
+
+def caption(attrs: dict, template: int) -> str:
+    """Fill template `template` with a sample's attributes."""
+    pos = S.POSITIONS[attrs["position"]][2]
+    text = TEMPLATES[template].format(
+        colour=attrs["colour"],
+        a_colour=_article(attrs["colour"]),
+        shape=attrs["shape"],
+        size=attrs["size"],
+        a_size=_article(attrs["size"]),
+        background=attrs["background"],
+        position=pos,
+    )
+    return text
+
+
+def sample_attrs(split: str, index: int, seed: int, size_px: int) -> dict:
+    """Attributes and caption of sample `index` of `split`; depends on nothing else.
+
+    Per-sample generators make a sample independent of `count` and of generation order, so a
+    larger dataset extends a smaller one and generation could be split across processes.
+    """
+    rng = np.random.default_rng([seed, _SPLIT_CODE[split], index])
+    combos = S.train_combos() if split == "train" else S.HELDOUT_COMBOS
+    shape, colour = combos[rng.integers(len(combos))]
+    background = list(S.BACKGROUNDS)[rng.integers(len(S.BACKGROUNDS))]
+    size_name = list(S.SIZES)[rng.integers(len(S.SIZES))]
+    pos_name = list(S.POSITIONS)[rng.integers(len(S.POSITIONS))]
+    radius = S.SIZES[size_name] * (1.0 + rng.uniform(-_RADIUS_JITTER, _RADIUS_JITTER))
+    gx, gy, _ = S.POSITIONS[pos_name]
+    # Keep at least 1.5 px of pure background around the shape: the analyser reads the background
+    # from the border, and a clipped shape would no longer match its name.
+    lo, hi = radius + 1.5 / size_px, 1.0 - radius - 1.5 / size_px
+    cx = float(np.clip(gx + rng.uniform(-_POS_JITTER, _POS_JITTER), lo, hi))
+    cy = float(np.clip(gy + rng.uniform(-_POS_JITTER, _POS_JITTER), lo, hi))
+    attrs = {
+        "shape": shape,
+        "colour": colour,
+        "background": background,
+        "position": pos_name,
+        "size": size_name,
+        "cx": round(cx, 6),
+        "cy": round(cy, 6),
+        "radius": round(float(radius), 6),
+        "colour_rgb": list(S.COLOURS[colour]),
+        "background_rgb": list(S.BACKGROUNDS[background]),
+        "image_size": size_px,
+        "split": split,
+        "index": index,
+        "seed": seed,
+    }
+    attrs["template"] = int(rng.integers(len(TEMPLATES)))
+    attrs["caption"] = caption(attrs, attrs["template"])
+    return attrs
+
+
+def render_sample(attrs: dict) -> np.ndarray:
+    return S.render(
+        attrs["shape"], attrs["colour"], attrs["background"],
+        attrs["cx"], attrs["cy"], attrs["radius"], attrs["image_size"],
+    )  # fmt: skip
+
+
+def encode_png(img: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    # Fixed compress level and no optimize pass: the bytes depend on the pixels only.
+    Image.fromarray(img).save(buf, format="PNG", compress_level=6, optimize=False)
+    return buf.getvalue()
+
+
+def make_sample(split: str, index: int, seed: int, size_px: int) -> dict:
+    """One WebDataset sample dict (all values bytes/str), ready for a ShardWriter."""
+    attrs = sample_attrs(split, index, seed, size_px)
+    return {
+        "__key__": f"{split}-{index:08d}",
+        "png": encode_png(render_sample(attrs)),
+        "txt": attrs["caption"],
+        "json": json.dumps(attrs, sort_keys=True).encode("utf-8"),
+    }
+
+
+def _write_split(out: str, split: str, count: int, size: int, shard_size: int, seed: int,
+                 progress: bool) -> list[str]:  # fmt: skip
+    split_dir = os.path.join(out, split)
+    os.makedirs(split_dir, exist_ok=True)
+    # Stale shards from an earlier, larger run would silently join this dataset (the loader reads
+    # every *.tar in the folder), so remove the files this generator owns before writing.
+    for old in glob.glob(os.path.join(glob.escape(split_dir), "shard-*.tar")):
+        os.remove(old)
+    if count == 0:
+        return []
+    pattern = os.path.join(split_dir, "shard-%06d.tar")
+    # mtime=0 and fixed owner make the tar headers reproducible; verbose=0 keeps stdout clean.
+    writer = wds.ShardWriter(pattern, maxcount=shard_size, verbose=0, mtime=0.0)
+    try:
+        for i in tqdm(range(count), desc=split, unit="img", disable=not progress, leave=False):
+            writer.write(make_sample(split, i, seed, size))
+    finally:
+        writer.close()
+    n_shards = (count + shard_size - 1) // shard_size
+    return [os.path.join(split, f"shard-{k:06d}.tar") for k in range(n_shards)]
+
+
+def generate(
+    out: str,
+    count: int = 20000,
+    heldout_count: int = 512,
+    size: int = 32,
+    shard_size: int = 1000,
+    seed: int = 0,
+    progress: bool = False,
+) -> dict:
+    """Write the dataset to `out` and return the summary (also written to out/manifest.json).
+
+    Summary keys: out, args, counts {split: n}, shards {split: [relative paths]}, heldout_combos,
+    vocabulary, seconds.
+    """
+    for name, v, lo in (("count", count, 0), ("heldout_count", heldout_count, 0),
+                        ("size", size, 8), ("shard_size", shard_size, 1)):  # fmt: skip
+        if int(v) != v or v < lo:
+            raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+    out = os.fspath(out)
+    os.makedirs(out, exist_ok=True)
+    manifest_path = os.path.join(out, MANIFEST)
+    if os.path.exists(manifest_path):
+        os.remove(manifest_path)  # absent until the new dataset is complete
+    t0 = time.perf_counter()
+    counts = {"train": int(count), "heldout": int(heldout_count)}
+    shards = {sp: _write_split(out, sp, counts[sp], size, shard_size, seed, progress) for sp in SPLITS}
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "args": {"count": count, "heldout_count": heldout_count, "size": size,
+                 "shard_size": shard_size, "seed": seed},  # fmt: skip
+        "counts": counts,
+        "shards": shards,
+        "heldout_combos": [list(c) for c in S.HELDOUT_COMBOS],
+        "vocabulary": {
+            "shapes": S.SHAPES,
+            "colours": {k: list(v) for k, v in S.COLOURS.items()},
+            "backgrounds": {k: list(v) for k, v in S.BACKGROUNDS.items()},
+            "sizes": S.SIZES,
+            "positions": list(S.POSITIONS),
+            "templates": TEMPLATES,
+        },
+    }
+    # Written last and without timestamps: it is the completion marker and part of the
+    # reproducible output.
+    tmp = manifest_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+    os.replace(tmp, manifest_path)
+    return {"out": out, **manifest, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def load_manifest(out: str) -> dict | None:
+    """The manifest of a complete dataset in `out`, or None when absent or unreadable."""
+    try:
+        with open(os.path.join(out, MANIFEST)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def ensure(out: str, **kwargs) -> dict:
+    """Generate into `out` unless a complete dataset with the same arguments is already there.
+
+    What a trainer's demo config calls: the first run pays the generation, later ones reuse it.
+    """
+    args = {"count": 20000, "heldout_count": 512, "size": 32, "shard_size": 1000, "seed": 0}
+    progress = kwargs.pop("progress", False)
+    unknown = set(kwargs) - set(args)
+    if unknown:
+        raise TypeError(f"unknown arguments {sorted(unknown)}; known: {sorted(args)}")
+    args.update(kwargs)
+    found = load_manifest(out)
+    if found is not None and found.get("args") == args and found.get("format_version") == FORMAT_VERSION:
+        return {"out": os.fspath(out), **found, "seconds": 0.0}
+    return generate(out, progress=progress, **args)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m data.synth",
+        description="Generate the synthetic shapes dataset (shape x colour x size x position x "
+        "background) as WebDataset shards, with a held-out split of (shape, colour) pairs never "
+        "seen in training. Same arguments -> byte-identical output.",
+    )
+    p.add_argument("--out", required=True, help="output folder; gets train/, heldout/, manifest.json")
+    p.add_argument("--count", type=int, default=20000, help="training samples (default 20000)")
+    p.add_argument("--heldout-count", type=int, default=512,
+                   help="held-out samples, all from held-out (shape, colour) pairs (default 512)")
+    p.add_argument("--size", type=int, default=32, help="image side in pixels, >= 8 (default 32)")
+    p.add_argument("--shard-size", type=int, default=1000, help="samples per tar shard (default 1000)")
+    p.add_argument("--seed", type=int, default=0, help="random seed; fixes every byte of the output (default 0)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    try:
+        summary = generate(a.out, a.count, a.heldout_count, a.size, a.shard_size, a.seed,
+                           progress=not a.no_progress)  # fmt: skip
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    n_shards = sum(len(v) for v in summary["shards"].values())
+    c = summary["counts"]
+    print(f"wrote train = {c['train']}, heldout = {c['heldout']} samples in {n_shards} shards "
+          f"to {summary['out']} ({summary['seconds']:.1f} s)")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

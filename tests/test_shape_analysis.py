@@ -1,0 +1,98 @@
+"""The pixel analyser reads colour and shape back from real synthetic shards, and fails soft."""
+
+import glob
+import io
+import json
+import os
+
+import numpy as np
+import pytest
+import webdataset as wds
+from PIL import Image
+
+from data import shapes as S
+from data import synth
+from data.shape_analysis import analyse, score
+
+
+@pytest.fixture(scope="module")
+def decoded(tmp_path_factory):
+    """~576 images read back from shards at three sizes, both splits: the real pipeline path."""
+    images, attrs = [], []
+    for size, seed in ((32, 11), (48, 12), (64, 13)):
+        out = str(tmp_path_factory.mktemp(f"syn{size}"))
+        synth.generate(out, count=144, heldout_count=48, size=size, shard_size=100, seed=seed)
+        urls = sorted(glob.glob(os.path.join(out, "*", "*.tar")))
+        for s in wds.WebDataset(urls, shardshuffle=False):
+            images.append(np.asarray(Image.open(io.BytesIO(s["png"])).convert("RGB")))
+            attrs.append(json.loads(s["json"]))
+    return images, attrs
+
+
+def test_accuracy_on_synthetic_images(decoded):
+    images, attrs = decoded
+    assert len(images) >= 500
+    assert {a["image_size"] for a in attrs} == {32, 48, 64}
+    assert {a["split"] for a in attrs} == {"train", "heldout"}
+    r = score(images, attrs)
+    print(f"\nanalyser on {r['n']} synthetic images: colour {r['colour_acc']:.4f}, "
+          f"shape {r['shape_acc']:.4f}, both {r['both_acc']:.4f}")  # fmt: skip
+    assert r["n"] == len(images)
+    assert r["colour_acc"] >= 0.98 and r["shape_acc"] >= 0.98
+    # Every shape and colour is exercised, not just the easy ones.
+    assert {a["shape"] for a in attrs} == set(S.SHAPES) and {a["colour"] for a in attrs} == set(S.COLOURS)
+
+
+def test_background_and_placement(decoded):
+    images, attrs = decoded
+    for img, a in list(zip(images, attrs))[::10]:
+        r = analyse(img)
+        assert r["background"] == a["background"] and r["confident"]
+        assert abs(r["cx"] - a["cx"]) < 0.05 and abs(r["cy"] - a["cy"]) < 0.05
+        assert abs(r["radius"] / a["radius"] - 1) < 0.15
+
+
+def test_score_counts_wrong_labels():
+    a = synth.sample_attrs("train", 0, 0, 32)
+    img = synth.render_sample(a)
+    other_shape = next(s for s in S.SHAPES if s != a["shape"])
+    r = score([img, img], [a, {**a, "shape": other_shape}])
+    assert r == {"colour_acc": 1.0, "shape_acc": 0.5, "both_acc": 0.5, "n": 2}
+    assert score([], [])["n"] == 0
+
+
+@pytest.mark.parametrize("bg", list(S.BACKGROUNDS))
+def test_blank_image_has_no_shape(bg):
+    img = np.zeros((32, 32, 3), np.uint8) + np.array(S.BACKGROUNDS[bg], np.uint8)
+    r = analyse(img)
+    assert r["shape"] is None and r["colour"] is None and not r["confident"]
+    assert r["background"] == bg
+
+
+def test_noise_and_odd_inputs_do_not_crash():
+    rng = np.random.default_rng(0)
+    for size in (8, 32, 64):
+        r = analyse(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
+        assert not r["confident"]
+    # Model outputs: float in [0,1], CHW, grey, RGBA, NaN, non-square, tiny, empty.
+    a = synth.sample_attrs("train", 3, 0, 32)
+    img = synth.render_sample(a)
+    assert analyse(img.astype(np.float32) / 255)["shape"] == a["shape"]
+    assert analyse(np.moveaxis(img, -1, 0))["colour"] == a["colour"]
+    for odd in (img[..., 0], np.dstack([img, img[..., :1]]), np.full((32, 32, 3), np.nan),
+                img[:, :20], np.zeros((2, 2, 3), np.uint8), np.zeros((0, 0, 3)), None):  # fmt: skip
+        analyse(odd)
+
+
+def test_mild_noise_degrades_gracefully():
+    # Generated images are noisy: mild noise must not flip answers; heavy noise may give None
+    # but should rarely give a confident wrong shape.
+    rng = np.random.default_rng(1)
+    right = wrong = 0
+    for i in range(60):
+        a = synth.sample_attrs("train", i, 2, 32)
+        img = synth.render_sample(a).astype(np.float64)
+        r = analyse(np.clip(img + rng.normal(0, 8, img.shape), 0, 255).astype(np.uint8))
+        right += r["shape"] == a["shape"] and r["colour"] == a["colour"]
+        wrong += r["shape"] is not None and r["shape"] != a["shape"]
+    assert right >= 57 and wrong <= 2
