@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -35,6 +36,13 @@ from common import dist as mdist
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 META = "meta.json"
+
+
+def _quiet_single_process(fn, *args, **kwargs):
+    # DCP warns on every call without a process group; single-process save/load is intended here.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        return fn(*args, **kwargs)
 
 
 class CheckpointError(ValueError):
@@ -137,7 +145,7 @@ class CheckpointManager:
             "optim": get_optimizer_state_dict(model, optimizer),
             **tensors,
         }
-        dcp.save(state, checkpoint_id=tmp)
+        _quiet_single_process(dcp.save, state, checkpoint_id=tmp)
         torch.save(mdist.rng_state(), os.path.join(tmp, f"rng_rank{self.info.rank}.pt"))
         mdist.barrier()
         if self.info.is_main:
@@ -170,7 +178,7 @@ class CheckpointManager:
             **tensors,
         }
         try:
-            dcp.load(state, checkpoint_id=path)
+            _quiet_single_process(dcp.load, state, checkpoint_id=path)
         except Exception as e:
             raise CheckpointError(f"cannot load {path}: {str(e).splitlines()[0][:300]}") from None
         set_model_state_dict(model, state["model"])
@@ -197,7 +205,7 @@ def load_model_weights(path: str, model: torch.nn.Module, tensors: dict[str, dic
     if signature is not None and meta.get("signature") != signature:
         raise CheckpointError(f"checkpoint {path} was written for another model")
     state = {"model": get_model_state_dict(model, options=StateDictOptions()), **(tensors or {})}
-    dcp.load(state, checkpoint_id=path)
+    _quiet_single_process(dcp.load, state, checkpoint_id=path)
     set_model_state_dict(model, state["model"])
     meta["path"] = path
     return meta

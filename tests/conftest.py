@@ -1,0 +1,67 @@
+"""Shared fixtures: a small synthetic dataset made once per session, and helpers that run the
+text2image entrypoints as users do (subprocesses, torchrun for several ranks)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_YAML = os.path.join(ROOT, "pipelines/text2image/configs/tiny.yaml")
+
+# A model small enough that a handful of steps takes seconds on 2 cores.
+SMALL_MODEL = ["model.hidden=32", "model.depth=2", "model.heads=2", "model.patch_size=4",
+               "text.width=32", "text.layers=1", "text.heads=2", "text.context_length=16",
+               "sample.steps=2", "sample.num=4", "train.progress=false", "data.num_workers=0"]
+
+
+@pytest.fixture(scope="session")
+def synth_data(tmp_path_factory):
+    from data.synth import generate
+    out = tmp_path_factory.mktemp("synth")
+    generate(str(out), count=256, heldout_count=32, size=32, shard_size=32, seed=0)
+    return str(out)
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = ROOT + os.pathsep + e.get("PYTHONPATH", "")
+    e["OMP_NUM_THREADS"] = "1"  # two ranks on two cores; also makes runs comparable
+    return e
+
+
+def train_cmd(nproc: int = 1) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, "-m", "pipelines.text2image.train"]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "pipelines.text2image.train"]
+
+
+def run_train(run_dir: str, data_dir: str, *overrides: str, nproc: int = 1, check: bool = True,
+              timeout: int = 600) -> subprocess.CompletedProcess:
+    args = train_cmd(nproc) + ["--config", TINY_YAML, f"run.dir={run_dir}",
+                               f"data.train_shards={data_dir}/train", f"data.eval_shards={data_dir}/heldout",
+                               *SMALL_MODEL, *overrides]
+    proc = subprocess.run(args, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def run_module(module: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def read_metrics(run_dir: str) -> dict[int, dict]:
+    """step -> the last record logged for it (a resumed run re-logs the steps after its checkpoint)."""
+    out = {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            rec = json.loads(line)
+            if "step" in rec and "loss" in rec:
+                out[rec["step"]] = rec
+    return out

@@ -1,0 +1,73 @@
+"""Checkpoint manager: atomic visibility, `latest`, retention, signature checks, exact round trip."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from common.checkpoint import CheckpointError, CheckpointManager, latest_complete
+from common.dist import DistInfo
+
+INFO = DistInfo(0, 1, 0, torch.device("cpu"), torch.float32)
+
+
+def _model_opt(seed=0):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    m(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    return m, opt
+
+
+def test_round_trip_is_exact(tmp_path):
+    m, opt = _model_opt(0)
+    extra = {"ema": {"w": torch.randn(5)}}
+    mgr = CheckpointManager(str(tmp_path), keep_last=2, signature={"model": "a"}, info=INFO)
+    path = mgr.save(3, m, opt, extra, {"loader": {"samples_consumed": 12}})
+    m2, opt2 = _model_opt(1)
+    extra2 = {"ema": {"w": torch.zeros(5)}}
+    meta = mgr.load(path, m2, opt2, extra2)
+    assert meta["step"] == 3 and meta["loader"]["samples_consumed"] == 12
+    for a, b in zip(m.state_dict().values(), m2.state_dict().values()):
+        assert torch.equal(a, b)
+    assert torch.equal(extra["ema"]["w"], extra2["ema"]["w"])
+    s1, s2 = opt.state_dict()["state"], opt2.state_dict()["state"]
+    assert all(torch.equal(s1[k]["exp_avg"], s2[k]["exp_avg"]) for k in s1)
+
+
+def test_half_written_checkpoint_is_never_picked(tmp_path):
+    m, opt = _model_opt()
+    mgr = CheckpointManager(str(tmp_path), keep_last=3, signature={}, info=INFO)
+    good = mgr.save(2, m, opt, {}, {})
+    # A save that died: its .tmp folder, and even a step folder without meta.json.
+    os.makedirs(tmp_path / "step_00000004.tmp")
+    (tmp_path / "step_00000004.tmp" / "__0_0.distcp").write_bytes(b"partial")
+    os.makedirs(tmp_path / "step_00000006")
+    assert mgr.resolve("auto") == good
+    (tmp_path / "latest").write_text("step_00000006\n")  # pointer to an incomplete one
+    assert latest_complete(str(tmp_path)) == good
+    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+        mgr.resolve(str(tmp_path / "step_00000006"))
+
+
+def test_retention_and_latest(tmp_path):
+    m, opt = _model_opt()
+    mgr = CheckpointManager(str(tmp_path), keep_last=2, signature={}, info=INFO)
+    for step in (1, 2, 3, 4):
+        mgr.save(step, m, opt, {}, {})
+    kept = sorted(d for d in os.listdir(tmp_path) if d.startswith("step_"))
+    assert kept == ["step_00000003", "step_00000004"]
+    assert (tmp_path / "latest").read_text().strip() == "step_00000004"
+    assert mgr.resolve("none") is None
+
+
+def test_other_model_is_refused_before_loading(tmp_path):
+    m, opt = _model_opt()
+    CheckpointManager(str(tmp_path), 1, {"pipeline": "text2image", "depth": 2}, INFO).save(1, m, opt, {}, {})
+    other = CheckpointManager(str(tmp_path), 1, {"pipeline": "text2image", "depth": 4}, INFO)
+    with pytest.raises(CheckpointError, match="another model.*depth"):
+        other.load(other.resolve("auto"), m, opt, {})
+    with pytest.raises(CheckpointError, match="not found"):
+        other.resolve(str(tmp_path / "nope"))

@@ -1,0 +1,69 @@
+"""Config: typed overrides, clear one-line errors, --help and --print-config."""
+from __future__ import annotations
+
+import pytest
+
+from common.config import ConfigError, build_config, help_text, parse_cli
+from pipelines.text2image.config import T2IConfig
+from tests.conftest import TINY_YAML, run_module
+
+
+def test_yaml_then_overrides_typed():
+    cfg = build_config(T2IConfig, TINY_YAML, ["optim.lr=3e-4", "train.steps=7", "data.shuffle=false"])
+    assert cfg.optim.lr == pytest.approx(3e-4) and isinstance(cfg.optim.lr, float)
+    assert cfg.train.steps == 7 and cfg.data.shuffle is False
+    assert cfg.model.preset == "tiny"  # from the file, untouched by overrides
+
+
+def test_unknown_key_names_it_and_the_closest():
+    with pytest.raises(ConfigError) as e:
+        build_config(T2IConfig, None, ["optim.lrr=1"])
+    assert "optim.lrr" in str(e.value) and "optim.lr" in str(e.value)
+
+
+def test_wrong_type_names_key_value_and_type():
+    with pytest.raises(ConfigError) as e:
+        build_config(T2IConfig, None, ["train.steps=many"])
+    msg = str(e.value)
+    assert "train.steps" in msg and "many" in msg and "int" in msg
+
+
+def test_bad_values_and_forms():
+    with pytest.raises(ConfigError, match="not of the form key=value"):
+        build_config(T2IConfig, None, ["optim.lr"])
+    with pytest.raises(ConfigError, match="must be > 0"):
+        build_config(T2IConfig, None, ["data.micro_batch_size=0"])
+    with pytest.raises(ConfigError, match="diffusion.objective"):
+        build_config(T2IConfig, None, ["diffusion.objective=gan"])
+    with pytest.raises(ConfigError, match="config file not found"):
+        build_config(T2IConfig, "/nonexistent.yaml", [])
+    with pytest.raises(ConfigError, match="unknown option"):
+        parse_cli(T2IConfig, ["--lr", "3"], "prog", "")
+
+
+def test_unknown_key_in_yaml_file(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("optim:\n  learning_rate: 0.1\n")
+    with pytest.raises(ConfigError) as e:
+        build_config(T2IConfig, str(p), [])
+    assert "optim.learning_rate" in str(e.value) and str(p) in str(e.value)
+
+
+def test_help_lists_every_key_with_type_and_help():
+    text = help_text(T2IConfig, "prog", "desc")
+    for key in ("optim.lr (float", "data.train_shards (str", "train.grad_accum (int", "parallel.dp_mode (str"):
+        assert key in text
+
+
+def test_cli_errors_are_one_line_without_traceback():
+    proc = run_module("pipelines.text2image.train", "--config", TINY_YAML, "optim.lrr=1")
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "optim.lr" in proc.stderr
+
+
+def test_cli_print_config_and_help():
+    proc = run_module("pipelines.text2image.train", "--config", TINY_YAML, "optim.lr=0.5", "--print-config")
+    assert proc.returncode == 0 and "lr: 0.5" in proc.stdout
+    proc = run_module("pipelines.text2image.train", "--help")
+    assert proc.returncode == 0 and "optim.warmup_steps" in proc.stdout

@@ -1,0 +1,109 @@
+"""text2image end to end on the small synthetic set: run-dir contents, sample/eval CLIs, exact
+resume after a kill, one-line errors for bad input, corrupt samples, non-finite guard."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+
+import webdataset as wds
+
+from tests.conftest import read_metrics, run_module, run_train
+
+
+def _one_line_error(proc, needle: str) -> None:
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    err = proc.stderr.strip()
+    assert "Traceback" not in err and err.count("\n") == 0, err[-3000:]
+    assert err.startswith("error:") and needle in err, err
+
+
+def test_run_dir_layout_and_sample_eval_clis(synth_data, tmp_path):
+    run = str(tmp_path / "run")
+    run_train(run, synth_data, "train.steps=6", "train.ckpt_every=3", "train.log_every=1")
+    for path in ("config.yaml", "metrics.jsonl", "checkpoints/latest", "checkpoints/step_00000006/meta.json",
+                 "samples/step_00000006.png"):
+        assert os.path.exists(os.path.join(run, path)), path
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(os.path.join(run, "tb")))
+    metrics = read_metrics(run)
+    assert sorted(metrics) == [1, 2, 3, 4, 5, 6]
+    for rec in metrics.values():
+        assert {"loss", "lr", "grad_norm", "samples_per_s"} <= set(rec)
+        assert rec["loss"] > 0 and rec["samples_per_s"] > 0
+
+    out = str(tmp_path / "samples")
+    proc = run_module("pipelines.text2image.sample", "--run", run, "--prompt", "a red circle", "--num", "3",
+                      "--out", out, "--steps", "2")
+    assert proc.returncode == 0, proc.stderr
+    index = [json.loads(line) for line in open(os.path.join(out, "index.jsonl"))]
+    assert [r["seed"] for r in index] == [0, 1, 2] and {r["prompt"] for r in index} == {"a red circle"}
+    assert all(os.path.isfile(os.path.join(out, r["file"])) for r in index)
+    assert os.path.isfile(os.path.join(out, "grid.png"))
+
+    proc = run_module("pipelines.text2image.eval", "--run", run, "--num", "4", "--steps", "2")
+    assert proc.returncode == 0, proc.stderr
+    result = json.load(open(os.path.join(run, "eval.json")))
+    assert result["n"] == 4 and 0.0 <= result["colour_acc"] <= 1.0 and "colour accuracy" in proc.stdout
+
+
+def test_resume_after_kill_is_bitwise_identical(synth_data, tmp_path):
+    full, killed = str(tmp_path / "full"), str(tmp_path / "killed")
+    common = ["train.steps=8", "train.ckpt_every=3", "train.log_every=1", "train.sample_every=0"]
+    run_train(full, synth_data, *common)
+    # Killed right after step 5: the newest complete checkpoint is step 3. Workers on, to show
+    # that worker prefetch does not change what a resumed run sees.
+    run_train(killed, synth_data, *common, "train.stop_after=5", "data.num_workers=2")
+    assert not os.path.exists(os.path.join(killed, "checkpoints", "step_00000006"))
+    assert open(os.path.join(killed, "checkpoints", "latest")).read().strip() == "step_00000003"
+    run_train(killed, synth_data, *common, "run.resume=auto", "data.num_workers=2")
+    a, b = read_metrics(full), read_metrics(killed)
+    for step in range(4, 9):
+        assert a[step]["loss"] == b[step]["loss"], (step, a[step]["loss"], b[step]["loss"])
+        assert a[step]["grad_norm"] == b[step]["grad_norm"], step
+    assert any(json.loads(line).get("event") == "resume" for line in open(os.path.join(killed, "metrics.jsonl")))
+
+
+def test_bad_inputs_give_one_line_errors(synth_data, tmp_path):
+    run = str(tmp_path / "r")
+    _one_line_error(run_train(run, synth_data, "data.train_shards=/nonexistent/shards", check=False), "does not exist")
+    _one_line_error(run_train(run, synth_data, f"data.train_shards={tmp_path}/x-{{000..003}}.tar", check=False),
+                    "match")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _one_line_error(run_train(run, synth_data, f"data.train_shards={empty}", check=False), "no .tar")
+    with wds.TarWriter(str(empty / "shard-000000.tar")):
+        pass
+    _one_line_error(run_train(run, synth_data, f"data.train_shards={empty}", check=False), "empty")
+    # A run directory whose checkpoints belong to another model.
+    run_train(run, synth_data, "train.steps=1")
+    _one_line_error(run_train(run, synth_data, "train.steps=2", "model.depth=3", check=False), "another model")
+
+
+def test_corrupt_image_is_skipped_and_counted(synth_data, tmp_path):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    src = wds.WebDataset(os.path.join(synth_data, "train", "shard-000000.tar"), shardshuffle=False)
+    with wds.TarWriter(str(shards / "shard-000000.tar")) as sink:
+        for i, s in enumerate(src):
+            if i == 8:
+                break
+            sample = {"__key__": s["__key__"], "png": s["png"], "txt": s["txt"]}
+            if i == 3:
+                sample["png"] = s["png"][:40]  # truncated image
+            sink.write(sample)
+    run = str(tmp_path / "run")
+    run_train(run, synth_data, f"data.train_shards={shards}", "data.micro_batch_size=8", "train.steps=3",
+              "train.log_every=1")
+    metrics = read_metrics(run)
+    # Each step is one full epoch of 8 samples, one of them corrupt.
+    assert [metrics[s]["corrupt_samples"] for s in (1, 2, 3)] == [1, 2, 3]
+
+
+def test_non_finite_steps_are_skipped_then_stop_the_run(synth_data, tmp_path):
+    run = str(tmp_path / "run")
+    proc = run_train(run, synth_data, "optim.lr=1e30", "optim.warmup_steps=0", "optim.grad_clip=0",
+                     "train.steps=40", "train.max_bad_steps=3", "train.log_every=1", check=False)
+    _one_line_error(proc, "non-finite")
+    skipped = [r["skipped_steps"] for r in read_metrics(run).values()]
+    assert max(skipped) >= 2  # logged skips before the third one stopped the run
