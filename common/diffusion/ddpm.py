@@ -1,0 +1,79 @@
+"""DDPM (discrete-time Gaussian diffusion) with eps- or v-prediction; the second objective.
+
+The model is called as model_fn(x_t, t / T, cond): time normalised to [0, 1] so the same DiT
+(which embeds t * 1000) serves both objectives. Schedules are kept in float64.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from .noise import SALT_NOISE, SALT_TIME, per_sample_rand, per_sample_randn
+
+
+def _bcast(a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return a.view(-1, *([1] * (x.dim() - 1))).to(x.device, x.dtype)
+
+
+def make_betas(schedule: str, num_timesteps: int, beta_start: float = 1e-4, beta_end: float = 0.02):
+    if schedule == "linear":  # Ho et al. 2020
+        return torch.linspace(beta_start, beta_end, num_timesteps, dtype=torch.float64)
+    if schedule == "cosine":  # Nichol & Dhariwal 2021, s = 0.008, betas clipped at 0.999
+        s = 0.008
+        f = lambda u: math.cos((u + s) / (1 + s) * math.pi / 2) ** 2  # noqa: E731
+        b = [min(1 - f((i + 1) / num_timesteps) / f(i / num_timesteps), 0.999) for i in range(num_timesteps)]
+        return torch.tensor(b, dtype=torch.float64)
+    raise ValueError(f"unknown beta schedule {schedule!r}")
+
+
+class DDPM:
+    def __init__(self, num_timesteps: int = 1000, schedule: str = "linear", prediction: str = "eps",
+                 beta_start: float = 1e-4, beta_end: float = 0.02):
+        if prediction not in ("eps", "v"):
+            raise ValueError(f"prediction must be 'eps' or 'v', got {prediction!r}")
+        self.num_timesteps, self.prediction = num_timesteps, prediction
+        self.betas = make_betas(schedule, num_timesteps, beta_start, beta_end)
+        self.alphas_cumprod = torch.cumprod(1 - self.betas, 0)
+
+    def coefs(self, t: torch.Tensor, x: torch.Tensor):
+        """(sqrt(alpha_bar_t), sqrt(1 - alpha_bar_t)) broadcast to x."""
+        ab = self.alphas_cumprod[t.long().cpu()]
+        return _bcast(ab.sqrt(), x), _bcast((1 - ab).sqrt(), x)
+
+    def sample_t(self, seeds, *, device=None) -> torch.Tensor:
+        u = per_sample_rand(seeds, SALT_TIME, dtype=torch.float64)
+        return (u * self.num_timesteps).long().clamp_max(self.num_timesteps - 1).to(device)
+
+    def q_sample(self, x0, eps, t):
+        a, s = self.coefs(t, x0)
+        return a * x0 + s * eps
+
+    def target(self, x0, eps, t):
+        if self.prediction == "eps":
+            return eps
+        a, s = self.coefs(t, x0)
+        return a * eps - s * x0  # v (Salimans & Ho 2022)
+
+    def to_x0_eps(self, x_t, t, model_out):
+        """Convert a model output (eps or v) at x_t to the implied (x0, eps)."""
+        a, s = self.coefs(t, x_t)
+        if self.prediction == "eps":
+            eps = model_out
+            x0 = (x_t - s * eps) / a
+        else:
+            x0 = a * x_t - s * model_out
+            eps = s * x_t + a * model_out
+        return x0, eps
+
+    def model_time(self, t: torch.Tensor) -> torch.Tensor:
+        return t.float() / self.num_timesteps
+
+    def loss(self, model_fn: Callable, x0: torch.Tensor, cond, seeds):
+        """Returns (mean loss, per-sample MSE (B,)) on the chosen prediction target."""
+        t = self.sample_t(seeds, device=x0.device)
+        eps = per_sample_randn(seeds, x0.shape[1:], SALT_NOISE, device=x0.device, dtype=x0.dtype)
+        pred = model_fn(self.q_sample(x0, eps, t), self.model_time(t), cond)
+        per_sample = (pred.float() - self.target(x0, eps, t).float()).pow(2).flatten(1).mean(1)
+        return per_sample.mean(), per_sample

@@ -1,0 +1,59 @@
+"""Normalisation dispatch: RMSNorm, LayerNorm and the DiT adaLN modulation.
+
+Statistics are computed in fp32 even for bf16 inputs (variance of bf16 activations loses
+precision fast), and the result is cast back to the input dtype.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .backend import resolve_backend
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6,
+             *, backend: str | None = None) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight over the last dimension."""
+    resolve_backend(backend)  # validates; torch and reference share this math today
+    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.to(y.dtype)
+    return y.to(x.dtype)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+               eps: float = 1e-6, *, backend: str | None = None) -> torch.Tensor:
+    """LayerNorm over the last dimension; weight/bias optional (None = no affine)."""
+    impl = resolve_backend(backend)
+    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    if impl == "reference":
+        mu = xf.mean(-1, keepdim=True)
+        var = (xf - mu).pow(2).mean(-1, keepdim=True)
+        y = (xf - mu) * torch.rsqrt(var + eps)
+        if weight is not None:
+            y = y * weight.to(y.dtype)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+    else:
+        w = None if weight is None else weight.to(xf.dtype)
+        b = None if bias is None else bias.to(xf.dtype)
+        y = F.layer_norm(xf, (x.shape[-1],), w, b, eps)
+    return y.to(x.dtype)
+
+
+def _per_sample(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    # (B, D) -> (B, 1, D) so one vector per sample broadcasts over the token axis.
+    return v.unsqueeze(1) if v.dim() == 2 and x.dim() == 3 else v
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x * (1 + scale) + shift; x (B, L, D), shift/scale (B, D) or (B, 1, D)."""
+    return x * (1 + _per_sample(scale, x)) + _per_sample(shift, x)
+
+
+def norm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6,
+                  *, backend: str | None = None) -> torch.Tensor:
+    """DiT adaLN: LayerNorm without affine (the modulation replaces it), then modulate.
+    One entry point so a fused Triton kernel can replace both ops later."""
+    return modulate(layer_norm(x, None, None, eps, backend=backend), shift, scale)

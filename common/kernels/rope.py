@@ -1,0 +1,47 @@
+"""Rotary position embedding for 1-D, 2-D and 3-D positions.
+
+Convention: rotate-half (GPT-NeoX / Llama-HF): channel i pairs with channel i + D/2. The head
+dim is split across axes: axis a owns dims_per_axis[a] channels, i.e. dims_per_axis[a] / 2
+frequency pairs, laid out axis after axis in the first half and repeated in the second half.
+Tables are fp32 (angles for large positions lose precision in bf16).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .backend import resolve_backend
+
+
+def rope_frequencies(positions: torch.Tensor, dims_per_axis: Sequence[int], theta: float = 10000.0):
+    """positions (L, n_axes) (or (L,) for 1-D) -> (freqs_cos, freqs_sin), each (L, sum(dims))."""
+    if positions.dim() == 1:
+        positions = positions[:, None]
+    if positions.shape[1] != len(dims_per_axis):
+        raise ValueError(f"positions has {positions.shape[1]} axes, dims_per_axis {len(dims_per_axis)}")
+    angles = []
+    for a, d in enumerate(dims_per_axis):
+        if d % 2:
+            raise ValueError(f"rope dims per axis must be even, got {d}")
+        inv_freq = theta ** (-torch.arange(0, d, 2, dtype=torch.float64, device=positions.device) / d)
+        angles.append(positions[:, a].to(torch.float64)[:, None] * inv_freq[None, :])
+    ang = torch.cat(angles, dim=-1)
+    ang = torch.cat([ang, ang], dim=-1)  # rotate-half layout
+    return ang.cos().float(), ang.sin().float()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor,
+               *, backend: str | None = None) -> torch.Tensor:
+    """x (B, H, L, D); freqs (L, D) or broadcastable. Computed in fp32, cast back."""
+    resolve_backend(backend)
+    if freqs_cos.shape[-1] != x.shape[-1]:
+        raise ValueError(f"rope table dim {freqs_cos.shape[-1]} != head dim {x.shape[-1]}")
+    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    c, s = freqs_cos.to(xf.dtype), freqs_sin.to(xf.dtype)
+    return (xf * c + _rotate_half(xf) * s).to(x.dtype)

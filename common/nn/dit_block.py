@@ -1,0 +1,84 @@
+"""DiT block with adaLN-single conditioning (PixArt-alpha) and its final layer.
+
+adaLN-single: the timestep embedding is mapped once per model to a global vector t0 (B, 6D);
+each block adds its own learned scale_shift_table (6, D). This replaces DiT's per-block adaLN
+MLP (about 27% of DiT-XL's parameters) at no quality cost.
+
+Block: x += gate_msa * SelfAttn(adaLN(x))   (QK-norm, 2-D RoPE)
+       x += CrossAttn(LN(x), text)           (key padding mask)
+       x += gate_mlp * MLP(adaLN(x))
+Init makes every block the identity: the gate rows of t0 + table start at 0, and the
+cross-attention output projection starts at 0 (PixArt) since cross-attn has no adaLN gate
+among the 6 vectors. Gradients still reach every parameter after the first update.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from common.kernels import norm_modulate
+
+from .attention import CrossAttention, SelfAttention
+from .mlp import MLP
+from .norm import LayerNorm
+
+
+def _xavier_linears(module: nn.Module) -> None:
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.xavier_uniform_(m.weight)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+
+class DiTBlock(nn.Module):
+    def __init__(self, hidden: int, heads: int, mlp_ratio: float = 4.0, context_dim: int | None = None,
+                 *, qk_norm: bool = True, eps: float = 1e-6):
+        super().__init__()
+        self.hidden, self.eps = hidden, eps
+        self.attn = SelfAttention(hidden, heads, qk_norm=qk_norm, eps=eps)
+        self.norm_cross = LayerNorm(hidden, eps)
+        self.cross_attn = CrossAttention(hidden, heads, context_dim, qk_norm=qk_norm, eps=eps)
+        self.mlp = MLP(hidden, int(hidden * mlp_ratio))
+        # rows: shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp
+        self.scale_shift_table = nn.Parameter(torch.zeros(6, hidden))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        _xavier_linears(self)
+        nn.init.zeros_(self.scale_shift_table)
+        nn.init.zeros_(self.cross_attn.proj.weight)
+        nn.init.zeros_(self.cross_attn.proj.bias)
+
+    def forward(self, x: torch.Tensor, t0: torch.Tensor, context: torch.Tensor,
+                context_mask: torch.Tensor | None = None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x (B, N, D); t0 (B, 6D); context (B, L, Dc); context_mask (B, L) bool True = valid."""
+        mod = self.scale_shift_table[None] + t0.view(x.shape[0], 6, self.hidden)
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mod.unbind(1)
+        h = norm_modulate(x, shift_msa, scale_msa, self.eps)
+        x = x + gate_msa[:, None] * self.attn(h, rope=rope)
+        x = x + self.cross_attn(self.norm_cross(x), context, context_mask)
+        h = norm_modulate(x, shift_mlp, scale_mlp, self.eps)
+        return x + gate_mlp[:, None] * self.mlp(h)
+
+
+class FinalLayer(nn.Module):
+    """adaLN (table (2, D) + timestep embedding, PixArt's T2IFinalLayer) -> Linear to patch values.
+    The linear starts at zero so the untrained model predicts 0 (DiT practice)."""
+
+    def __init__(self, hidden: int, out_dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.scale_shift_table = nn.Parameter(torch.zeros(2, hidden))
+        self.linear = nn.Linear(hidden, out_dim)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.scale_shift_table)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        shift, scale = (self.scale_shift_table[None] + temb[:, None]).unbind(1)
+        return self.linear(norm_modulate(x, shift, scale, self.eps))

@@ -1,0 +1,79 @@
+"""Patch embedding, (un)patchify and timestep embedding.
+
+Token order is row-major over the (H/p, W/p) grid; a token's values are laid out (p, p, C)
+(channels last), the layout the final layer predicts and `unpatchify` inverts.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .mlp import MLP
+
+
+def patchify(x: torch.Tensor, p: int) -> torch.Tensor:
+    """(B, C, H, W) -> (B, (H/p)*(W/p), p*p*C)."""
+    b, c, h, w = x.shape
+    if h % p or w % p:
+        raise ValueError(f"image {h}x{w} not divisible by patch size {p}")
+    x = x.view(b, c, h // p, p, w // p, p).permute(0, 2, 4, 3, 5, 1)
+    return x.reshape(b, (h // p) * (w // p), p * p * c)
+
+
+def unpatchify(x: torch.Tensor, grid_h: int, grid_w: int, p: int, channels: int) -> torch.Tensor:
+    """(B, grid_h*grid_w, p*p*C) -> (B, C, grid_h*p, grid_w*p); inverse of patchify."""
+    b = x.shape[0]
+    x = x.view(b, grid_h, grid_w, p, p, channels).permute(0, 5, 1, 3, 2, 4)
+    return x.reshape(b, channels, grid_h * p, grid_w * p)
+
+
+class PatchEmbed2d(nn.Module):
+    """Non-overlapping p x p patches -> dim. "conv" (stride-p Conv2d) and "linear" (patchify +
+    Linear) compute the same function; linear is simpler to shard with tensor parallelism."""
+
+    def __init__(self, in_channels: int, dim: int, patch_size: int, mode: str = "conv"):
+        super().__init__()
+        self.patch_size, self.mode = patch_size, mode
+        if mode == "conv":
+            self.proj = nn.Conv2d(in_channels, dim, patch_size, stride=patch_size)
+        elif mode == "linear":
+            self.proj = nn.Linear(patch_size * patch_size * in_channels, dim)
+        else:
+            raise ValueError(f"PatchEmbed2d mode must be 'conv' or 'linear', got {mode!r}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "conv":
+            return self.proj(x).flatten(2).transpose(1, 2)
+        return self.proj(patchify(x, self.patch_size))
+
+
+def sinusoidal_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
+    """(B,) float -> (B, dim) [cos | sin] features, fp32."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    args = t.float()[:, None] * freqs[None]
+    emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+    return torch.cat([emb, torch.zeros_like(emb[:, :1])], dim=-1) if dim % 2 else emb
+
+
+class TimestepEmbedder(nn.Module):
+    """t -> sinusoidal(time_scale * t) -> Linear-SiLU-Linear. time_scale=1000 maps flow times
+    in [0, 1] onto the 0..1000 range the sinusoid frequencies were designed for (DiT, SD3)."""
+
+    def __init__(self, dim: int, freq_dim: int = 256, time_scale: float = 1000.0):
+        super().__init__()
+        self.freq_dim, self.time_scale = freq_dim, time_scale
+        self.mlp = nn.Sequential(nn.Linear(freq_dim, dim), nn.SiLU(), nn.Linear(dim, dim))
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        emb = sinusoidal_embedding(t * self.time_scale, self.freq_dim)
+        return self.mlp(emb.to(self.mlp[0].weight.dtype))
+
+
+class CaptionProjection(MLP):
+    """text_dim -> hidden (PixArt's y_embedder): Linear-GELU(tanh)-Linear."""
+
+    def __init__(self, text_dim: int, dim: int):
+        super().__init__(text_dim, dim, dim)

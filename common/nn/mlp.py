@@ -1,0 +1,30 @@
+"""Feed-forward blocks: GELU(tanh) MLP (DiT/PixArt) and SwiGLU (Llama-style)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int, out_dim: int | None = None, bias: bool = True):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden, bias=bias)
+        self.fc2 = nn.Linear(hidden, out_dim or dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class SwiGLU(nn.Module):
+    """w2(silu(w1 x) * w3 x), with w1/w3 fused into one matmul. Callers usually pass
+    hidden = 2/3 * 4 * dim so parameter count matches a 4x GELU MLP."""
+
+    def __init__(self, dim: int, hidden: int, out_dim: int | None = None, bias: bool = False):
+        super().__init__()
+        self.w13 = nn.Linear(dim, 2 * hidden, bias=bias)
+        self.w2 = nn.Linear(hidden, out_dim or dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(a) * b)
