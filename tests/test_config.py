@@ -67,3 +67,15 @@ def test_cli_print_config_and_help():
     assert proc.returncode == 0 and "lr: 0.5" in proc.stdout
     proc = run_module("pipelines.text2image.train", "--help")
     assert proc.returncode == 0 and "optim.warmup_steps" in proc.stdout
+
+
+@pytest.mark.parametrize("name", ["tiny", "base", "xl"])
+def test_shipped_configs_parse_and_build_their_model_config(name):
+    import os
+
+    from pipelines.text2image.components import model_overrides
+    from pipelines.text2image.model import dit_config
+    from tests.conftest import ROOT
+    cfg = build_config(T2IConfig, os.path.join(ROOT, f"pipelines/text2image/configs/{name}.yaml"), [])
+    dcfg = dit_config(cfg.model.preset, **model_overrides(cfg))
+    assert dcfg.hidden % dcfg.heads == 0

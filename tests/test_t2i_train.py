@@ -2,10 +2,8 @@
 resume after a kill, one-line errors for bad input, corrupt samples, non-finite guard."""
 from __future__ import annotations
 
-import io
 import json
 import os
-import shutil
 
 import webdataset as wds
 
@@ -107,3 +105,12 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(synth_data, tmp_path):
     _one_line_error(proc, "non-finite")
     skipped = [r["skipped_steps"] for r in read_metrics(run).values()]
     assert max(skipped) >= 2  # logged skips before the third one stopped the run
+
+
+def test_ddpm_objective_with_v_prediction_trains(synth_data, tmp_path):
+    run = str(tmp_path / "run")
+    run_train(run, synth_data, "diffusion.objective=ddpm", "diffusion.ddpm_prediction=v", "train.steps=3",
+              "train.log_every=1")
+    losses = [m["loss"] for m in read_metrics(run).values()]
+    assert len(losses) == 3 and all(0 < v < 10 for v in losses)
+    assert os.path.isfile(os.path.join(run, "samples", "step_00000003.png"))  # DDIM sampling ran

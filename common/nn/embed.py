@@ -58,6 +58,18 @@ def sinusoidal_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0)
     return torch.cat([emb, torch.zeros_like(emb[:, :1])], dim=-1) if dim % 2 else emb
 
 
+def sincos_2d(grid_h: int, grid_w: int, dim: int, device=None) -> torch.Tensor:
+    """(grid_h * grid_w, dim) fixed absolute positions, row-major: half the channels encode the
+    row, half the column (DiT's 2-D sin-cos table, computed for any grid so resolution can vary)."""
+    if dim % 4:
+        raise ValueError(f"sincos_2d needs dim divisible by 4, got {dim}")
+    rows = torch.arange(grid_h, device=device, dtype=torch.float32)
+    cols = torch.arange(grid_w, device=device, dtype=torch.float32)
+    r = sinusoidal_embedding(rows, dim // 2)[:, None, :].expand(grid_h, grid_w, dim // 2)
+    c = sinusoidal_embedding(cols, dim // 2)[None, :, :].expand(grid_h, grid_w, dim // 2)
+    return torch.cat([r, c], dim=-1).reshape(grid_h * grid_w, dim)
+
+
 class TimestepEmbedder(nn.Module):
     """t -> sinusoidal(time_scale * t) -> Linear-SiLU-Linear. time_scale=1000 maps flow times
     in [0, 1] onto the 0..1000 range the sinusoid frequencies were designed for (DiT, SD3)."""

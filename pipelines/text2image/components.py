@@ -69,7 +69,8 @@ def build(cfg: T2IConfig) -> Components:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(dnoise.mix_seed(cfg.run.seed, 101))
         text = TextEncoder(TextEncoderConfig(width=cfg.text.width, layers=cfg.text.layers, heads=cfg.text.heads,
-                                             context_length=cfg.text.context_length, weights=cfg.text.weights or None))
+                                             context_length=cfg.text.context_length, weights=cfg.text.weights or None,
+                                             layer_scale=cfg.text.layer_scale or None))
         torch.manual_seed(dnoise.mix_seed(cfg.run.seed, 102))
         dcfg = dit_config(cfg.model.preset, img_size=size, in_channels=channels, text_dim=cfg.text.width, text_len=cfg.text.context_length,
                           **model_overrides(cfg))
@@ -90,14 +91,15 @@ def signature(cfg: T2IConfig, comp: Components) -> dict:
 
 @torch.no_grad()
 def encode_images(comp: Components, batch: dict, device) -> torch.Tensor:
-    """Model-space inputs: precomputed latents, VAE latents on the fly, or pixels in [-1, 1]."""
-    if "latent" in batch:
-        return batch["latent"].to(device)
-    images = batch["image"].to(device)
+    """Model-space inputs: precomputed latents, VAE latents on the fly, or pixels in [-1, 1].
+    Precomputed `latent.npy` holds unscaled VAE latents (as the VAE outputs them); the scale is
+    applied here so that changing vae.scaling_factor needs no new shards."""
     if comp.vae is None:
-        return images
+        return batch["image"].to(device)
     scale = comp.cfg.vae.scaling_factor or comp.vae.config.scaling_factor
-    return comp.vae.encode(images).latent_dist.sample() * scale
+    if "latent" in batch:
+        return batch["latent"].to(device) * scale
+    return comp.vae.encode(batch["image"].to(device)).latent_dist.sample() * scale
 
 
 def sample_seeds(run_seed: int, positions: torch.Tensor) -> torch.Tensor:

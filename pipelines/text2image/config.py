@@ -24,6 +24,8 @@ class TextConfig:
     heads: int = doc(4, "open_clip text tower heads")
     context_length: int = doc(32, "caption tokens (longer captions are truncated)")
     weights: str = doc("", "local state-dict file for the text tower (empty: frozen random init from run.seed)")
+    layer_scale: float = doc(0.0, "> 0: open_clip LayerScale init on residual branches, which keeps a random tower's "
+                                  "token features word-specific; 0: plain CLIP blocks (needed for CLIP weights)")
 
 
 @dataclass

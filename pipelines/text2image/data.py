@@ -53,3 +53,18 @@ class ImageDecoder:
 def read_attributes(sample: dict) -> dict:
     raw = sample.get("json")
     return json.loads(raw) if raw else {}
+
+
+def first_examples(spec: str, n: int) -> list[tuple[str, dict]]:
+    """(caption, attributes) of the first n samples of some shards, in shard order (no shuffle):
+    the fixed held-out prompts of sample grids and eval."""
+    from common.data import ShardIndex, expand_shards
+    index = ShardIndex(expand_shards(spec))
+    out = []
+    for shard_id, size in enumerate(index.shard_sizes):
+        for sample_id in range(size):
+            if len(out) == n:
+                return out
+            s = index.read(shard_id, sample_id)
+            out.append((s["txt"].decode("utf-8").strip(), read_attributes(s)))
+    return out

@@ -14,23 +14,10 @@ import os
 
 from common.cli import run_cli
 from common.config import ConfigError
-from common.data import ShardIndex, expand_shards
 from data.shape_analysis import score
 from pipelines.text2image import components
-from pipelines.text2image.data import read_attributes
+from pipelines.text2image.data import first_examples
 from pipelines.text2image.sample import load_run
-
-
-def heldout_examples(spec: str, n: int) -> list[tuple[str, dict]]:
-    index = ShardIndex(expand_shards(spec))
-    out = []
-    for shard_id, size in enumerate(index.shard_sizes):
-        for sample_id in range(size):
-            s = index.read(shard_id, sample_id)
-            out.append((s["txt"].decode().strip(), read_attributes(s)))
-            if len(out) == n:
-                return out
-    return out
 
 
 def main(argv=None) -> int:
@@ -46,7 +33,7 @@ def main(argv=None) -> int:
     if args.num < 1:
         raise ConfigError("--num must be >= 1")
     comp, meta = load_run(args.run)
-    examples = heldout_examples(args.shards or comp.cfg.data.eval_shards, args.num)
+    examples = first_examples(args.shards or comp.cfg.data.eval_shards, args.num)
     if not examples or "shape" not in examples[0][1]:
         raise ConfigError("the held-out shards carry no shape/colour attributes (json); eval needs data.synth shards")
     steps = args.steps or comp.cfg.sample.steps

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from common.kernels import rope_frequencies
-from common.nn import CaptionProjection, DiTBlock, FinalLayer, PatchEmbed2d, TimestepEmbedder, unpatchify
+from common.nn import CaptionProjection, DiTBlock, FinalLayer, PatchEmbed2d, TimestepEmbedder, sincos_2d, unpatchify
 
 
 # --------------------------------------------------------------------------- text encoder
@@ -25,6 +25,11 @@ class TextEncoderConfig:
     context_length: int = 32
     vocab_size: int = 49408
     weights: str | None = None  # local state-dict file (open_clip text keys); None = random init
+    # open_clip LayerScale on the residual branches (None: plain CLIP blocks, as pretrained
+    # checkpoints have). A small value keeps a *random* frozen tower close to its token
+    # embeddings: without it, random attention/MLP branches outweigh the embeddings and hash each
+    # word together with its prefix, so "circle" after "red" and after "blue" look unrelated.
+    layer_scale: float | None = None
 
 
 class TextEncoder(nn.Module):
@@ -42,7 +47,8 @@ class TextEncoder(nn.Module):
 
         self.cfg = cfg = cfg or TextEncoderConfig()
         text_cfg = CLIPTextCfg(context_length=cfg.context_length, vocab_size=cfg.vocab_size, width=cfg.width,
-                               heads=cfg.heads, layers=cfg.layers, output_tokens=True, proj_type="none")
+                               heads=cfg.heads, layers=cfg.layers, output_tokens=True, proj_type="none",
+                               ls_init_value=cfg.layer_scale)
         self.tower = _build_text_tower(cfg.width, text_cfg)
         self.tokenizer = SimpleTokenizer(context_length=cfg.context_length)
         if cfg.weights:
@@ -95,6 +101,12 @@ class DiTConfig:
     qk_norm: bool = True
     rope_theta: float = 10000.0
     patch_embed: str = "conv"   # "conv" | "linear"
+    # RoPE alone is relative: "top left" or "in the centre" can only be inferred from border
+    # effects. A fixed sin-cos table (as in DiT) gives every token its absolute place.
+    abs_pos: bool = True
+    # Mean of the text tokens added to the timestep embedding, so the caption also reaches every
+    # block through adaLN (the pooled-text vector of SD3/Flux), besides cross-attention.
+    pooled_text: bool = True
 
     @property
     def num_tokens(self) -> int:
@@ -139,6 +151,14 @@ def dit_flops(cfg: DiTConfig, num_tokens: int | None = None, text_len: int | Non
     return int(cfg.depth * per_block + embed + cond)
 
 
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """(B, L, D) -> (B, D) mean over valid tokens (mask True = valid); all-masked rows give 0."""
+    if mask is None:
+        return x.mean(1)
+    w = mask.to(x.dtype)[..., None]
+    return (x * w).sum(1) / w.sum(1).clamp_min(1.0)
+
+
 class DiT(nn.Module):
     def __init__(self, cfg: DiTConfig):
         super().__init__()
@@ -152,6 +172,7 @@ class DiT(nn.Module):
         self.t_embedder = TimestepEmbedder(d)
         self.t_block = nn.Sequential(nn.SiLU(), nn.Linear(d, 6 * d))  # adaLN-single global t0
         self.caption_proj = CaptionProjection(cfg.text_dim, d)
+        self.pooled_proj = CaptionProjection(cfg.text_dim, d) if cfg.pooled_text else None
         self.blocks = nn.ModuleList(DiTBlock(d, cfg.heads, cfg.mlp_ratio, qk_norm=cfg.qk_norm)
                                     for _ in range(cfg.depth))
         self.final = FinalLayer(d, cfg.patch_size ** 2 * cfg.in_channels)
@@ -167,7 +188,8 @@ class DiT(nn.Module):
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=0.02)
                 nn.init.zeros_(m.bias)
-        for m in (self.caption_proj.fc1, self.caption_proj.fc2):
+        projections = [self.caption_proj] + ([self.pooled_proj] if self.pooled_proj is not None else [])
+        for m in (lin for proj in projections for lin in (proj.fc1, proj.fc2)):
             nn.init.normal_(m.weight, std=0.02)
             nn.init.zeros_(m.bias)
         nn.init.zeros_(self.t_block[1].weight)
@@ -191,8 +213,12 @@ class DiT(nn.Module):
         p = self.cfg.patch_size
         gh, gw = x.shape[-2] // p, x.shape[-1] // p
         h = self.patch_embed(x)
+        if self.cfg.abs_pos:
+            h = h + sincos_2d(gh, gw, h.shape[-1], x.device).to(h.dtype)
         rope = self.rope(gh, gw, x.device)
         temb = self.t_embedder(t)
+        if self.pooled_proj is not None:
+            temb = temb + self.pooled_proj(_masked_mean(context.to(h.dtype), context_mask))
         t0 = self.t_block(temb)
         ctx = self.caption_proj(context.to(h.dtype))
         for block in self.blocks:

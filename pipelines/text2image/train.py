@@ -16,23 +16,8 @@ from common.data import StreamingLoader
 from common.trainer import Trainer
 from pipelines.text2image import components
 from pipelines.text2image.config import T2IConfig
-from pipelines.text2image.data import ImageDecoder
+from pipelines.text2image.data import ImageDecoder, first_examples
 from pipelines.text2image.parallelize import parallelize
-
-
-def eval_prompts(cfg: T2IConfig, n: int) -> list[str]:
-    """The first n captions of the held-out shards (the sample grid shows unseen combinations)."""
-    if n <= 0 or not cfg.data.eval_shards:
-        return []
-    from common.data import ShardIndex, expand_shards
-    index = ShardIndex(expand_shards(cfg.data.eval_shards))
-    prompts = []
-    for shard_id, size in enumerate(index.shard_sizes):
-        for sample_id in range(size):
-            prompts.append(index.read(shard_id, sample_id)["txt"].decode().strip())
-            if len(prompts) == n:
-                return prompts
-    return prompts
 
 
 def main(argv=None) -> int:
@@ -45,7 +30,8 @@ def main(argv=None) -> int:
                              micro_batch_size=cfg.data.micro_batch_size, dp_rank=info.rank, dp_size=info.world_size,
                              num_workers=cfg.data.num_workers, seed=cfg.run.seed, shuffle=cfg.data.shuffle,
                              window=cfg.data.shuffle_window, prefetch_factor=cfg.data.prefetch_factor)
-    prompts = eval_prompts(cfg, cfg.sample.num)
+    # The sample grid shows held-out captions: colour/shape pairs never seen together in training.
+    prompts = [c for c, _ in first_examples(cfg.data.eval_shards, cfg.sample.num)] if cfg.data.eval_shards else []
     config_yaml = to_yaml(cfg)
     if info.is_main:
         os.makedirs(cfg.run.dir, exist_ok=True)
