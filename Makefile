@@ -4,6 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 RUN ?= runs/tiny
 DATA ?= datasets/synth
+# Extra train overrides, e.g. make demo DEMO_ARGS="train.steps=4500" (about 15 minutes of training).
+DEMO_ARGS ?=
 
 .PHONY: setup demo test test-fast bench clean
 
@@ -20,7 +22,7 @@ $(VENV)/.installed: pyproject.toml requirements.lock
 demo: setup
 	$(PY) -m data.synth --out $(DATA)
 	$(PY) -m pipelines.text2image.train --config pipelines/text2image/configs/tiny.yaml run.dir=$(RUN) \
-		data.train_shards=$(DATA)/train data.eval_shards=$(DATA)/heldout
+		data.train_shards=$(DATA)/train data.eval_shards=$(DATA)/heldout $(DEMO_ARGS)
 	$(PY) -m pipelines.text2image.eval --run $(RUN) --save-grid $(RUN)/eval_grid.png
 
 test: setup

@@ -188,6 +188,8 @@ class Trainer:
                     log.message(f"checkpoint {path}")
                 if (tc.sample_every and self.step % tc.sample_every == 0) or self.step == tc.steps:
                     self._sample()
+                if window_samples == 0:  # samples/s measures training steps, not saves or sampling
+                    window_t0 = time.perf_counter()
         finally:
             log.close()
         return {"step": self.step, "skipped_steps": self.skipped_steps, "corrupt_samples": self.corrupt_total}
