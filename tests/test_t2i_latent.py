@@ -2,11 +2,15 @@
 random VAE made in the test), and sampling decoded back to pixels."""
 from __future__ import annotations
 
+import pytest
+
 import os
 
 import torch
 
 from tests.conftest import read_metrics, run_module, run_train
+
+pytestmark = pytest.mark.slow  # runs the entrypoints in subprocesses
 
 
 def test_train_and_sample_with_local_vae(synth_data, tmp_path):

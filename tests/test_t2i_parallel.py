@@ -11,6 +11,8 @@ import torch
 
 from tests.conftest import read_metrics, run_train
 
+pytestmark = pytest.mark.slow  # runs the entrypoints in subprocesses
+
 STEPS = 5
 COMMON = [f"train.steps={STEPS}", "train.log_every=1", "train.ckpt_every=100", "train.sample_every=0",
           "sample.num=0", "train.ema_decay=0.9"]

@@ -2,12 +2,16 @@
 resume after a kill, one-line errors for bad input, corrupt samples, non-finite guard."""
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 
 import webdataset as wds
 
 from tests.conftest import read_metrics, run_module, run_train
+
+pytestmark = pytest.mark.slow  # runs the entrypoints in subprocesses
 
 
 def _one_line_error(proc, needle: str) -> None:
