@@ -87,6 +87,33 @@ def read_meta(path: str) -> dict:
         return json.load(f)
 
 
+def resolve_checkpoint(path: str) -> str:
+    """A complete checkpoint directory, or the newest one under a run dir / checkpoints dir."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"checkpoint not found: {path}")
+    if is_complete(path):
+        return path
+    for root in (path, os.path.join(path, "checkpoints")):
+        found = latest_complete(root)
+        if found:
+            return found
+    raise CheckpointError(f"{path} is not a complete checkpoint and holds none (no {META}; interrupted save?)")
+
+
+def check_signature(path: str, signature: dict[str, Any]) -> dict:
+    """meta.json of `path`, after checking it was written for the model `signature` describes."""
+    try:
+        meta = read_meta(path)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable {META}: {e}") from None
+    theirs = meta.get("signature", {})
+    if theirs != signature:
+        diff = sorted(k for k in set(theirs) | set(signature) if theirs.get(k) != signature.get(k))
+        shown = ", ".join(f"{k}: checkpoint {theirs.get(k)!r} vs run {signature.get(k)!r}" for k in diff[:4])
+        raise CheckpointError(f"checkpoint {path} was written for another model ({shown})")
+    return meta
+
+
 class CheckpointManager:
     """Save/resume of the whole training state; every rank calls every method."""
 
@@ -105,29 +132,10 @@ class CheckpointManager:
             return None
         if resume == "auto":
             return latest_complete(self.root)
-        path = resume
-        if not os.path.exists(path):
-            raise CheckpointError(f"resume checkpoint not found: {path}")
-        if not is_complete(path):
-            # A run directory or its checkpoints/ folder: take its newest checkpoint.
-            for root in (path, os.path.join(path, "checkpoints")):
-                found = latest_complete(root)
-                if found:
-                    return found
-            raise CheckpointError(f"{path} is not a complete checkpoint (no {META}; interrupted save?)")
-        return path
+        return resolve_checkpoint(resume)
 
     def check_signature(self, path: str) -> dict:
-        try:
-            meta = read_meta(path)
-        except (OSError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{path}: unreadable {META}: {e}") from None
-        theirs = meta.get("signature", {})
-        if theirs != self.signature:
-            diff = sorted(k for k in set(theirs) | set(self.signature) if theirs.get(k) != self.signature.get(k))
-            shown = ", ".join(f"{k}: checkpoint {theirs.get(k)!r} vs run {self.signature.get(k)!r}" for k in diff[:4])
-            raise CheckpointError(f"checkpoint {path} was written for another model ({shown})")
-        return meta
+        return check_signature(path, self.signature)
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -196,17 +204,10 @@ class CheckpointManager:
 def load_model_weights(path: str, model: torch.nn.Module, tensors: dict[str, dict[str, torch.Tensor]] | None = None,
                        signature: dict | None = None) -> dict:
     """Inference-side load (single process): model weights plus named tensor dicts (EMA...)."""
-    if not is_complete(path):
-        found = latest_complete(path) or latest_complete(os.path.join(path, "checkpoints"))
-        if not found:
-            raise CheckpointError(f"no complete checkpoint under {path}")
-        path = found
-    meta = read_meta(path)
-    if signature is not None and meta.get("signature") != signature:
-        raise CheckpointError(f"checkpoint {path} was written for another model")
+    path = resolve_checkpoint(path)
+    meta = check_signature(path, signature) if signature is not None else read_meta(path)
     state = {"model": get_model_state_dict(model, options=StateDictOptions()), **(tensors or {})}
     _quiet_single_process(dcp.load, state, checkpoint_id=path)
     set_model_state_dict(model, state["model"])
     meta["path"] = path
     return meta
-

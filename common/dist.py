@@ -70,14 +70,6 @@ def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def broadcast_object(obj, src: int = 0):
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
 def seed_everything(seed: int, rank: int = 0) -> None:
     """Per-rank seeds for anything that draws from global RNGs. Training noise does not: it is
     seeded per sample from global positions so parallel layouts draw identical noise."""

@@ -31,6 +31,10 @@ class Components:
     latent_size: int
 
     @property
+    def latent_scale(self) -> float:
+        return self.cfg.vae.scaling_factor or self.vae.config.scaling_factor
+
+    @property
     def num_tokens(self) -> int:
         return (self.latent_size // self.model.cfg.patch_size) ** 2
 
@@ -96,10 +100,9 @@ def encode_images(comp: Components, batch: dict, device) -> torch.Tensor:
     applied here so that changing vae.scaling_factor needs no new shards."""
     if comp.vae is None:
         return batch["image"].to(device)
-    scale = comp.cfg.vae.scaling_factor or comp.vae.config.scaling_factor
     if "latent" in batch:
-        return batch["latent"].to(device) * scale
-    return comp.vae.encode(batch["image"].to(device)).latent_dist.sample() * scale
+        return batch["latent"].to(device) * comp.latent_scale
+    return comp.vae.encode(batch["image"].to(device)).latent_dist.sample() * comp.latent_scale
 
 
 def sample_seeds(run_seed: int, positions: torch.Tensor) -> torch.Tensor:
@@ -141,10 +144,11 @@ def generate(comp: Components, model: DiT, prompts: list[str], seeds: list[int],
     model.eval()
     out = []
     shape_tail = (comp.latent_channels, comp.latent_size, comp.latent_size)
+    empty_ctx, empty_mask = comp.text_encoder([""])  # the unconditional caption, encoded once
     for i in range(0, len(prompts), batch_size):
         chunk, chunk_seeds = prompts[i:i + batch_size], seeds[i:i + batch_size]
         ctx, mask = comp.text_encoder(chunk)
-        uctx, umask = comp.text_encoder([""] * len(chunk))
+        uctx, umask = empty_ctx.expand(len(chunk), -1, -1), empty_mask.expand(len(chunk), -1)
         noise = torch.stack([torch.randn(shape_tail, generator=torch.Generator().manual_seed(int(s))) for s in chunk_seeds])
 
         def model_fn(x, t, c):
@@ -157,8 +161,7 @@ def generate(comp: Components, model: DiT, prompts: list[str], seeds: list[int],
         else:
             x = ddim_sample(model_fn, comp.objective, noise.shape, **kwargs)
         if comp.vae is not None:
-            scale = comp.cfg.vae.scaling_factor or comp.vae.config.scaling_factor
-            x = comp.vae.decode(x / scale).sample
+            x = comp.vae.decode(x / comp.latent_scale).sample
         out.append(((x.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu())
     model.train(was_training)
     return torch.cat(out) if out else torch.empty(0, comp.cfg.model.image_size, comp.cfg.model.image_size, 3, dtype=torch.uint8)
