@@ -80,7 +80,8 @@ def test_self_attention_rope_changes_output_and_qk_norm_bounds_logits():
     x = torch.randn(1, 16, D)
     assert not torch.allclose(sa(x, rope=_rope(16)), sa(x))
     # QK-norm: scaling the input by 100 leaves q, k directions (and attention weights) unchanged
-    sa.qkv.bias.data.zero_()
+    for lin in (sa.to_q, sa.to_k, sa.to_v):
+        lin.bias.data.zero_()
     sa.proj.bias.data.zero_()
     torch.testing.assert_close(sa(100 * x), 100 * sa(x), atol=1e-3, rtol=1e-4)
 

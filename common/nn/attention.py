@@ -13,9 +13,10 @@ from common.kernels import apply_rope, attention
 from .norm import RMSNorm
 
 
-def _heads(x: torch.Tensor, n: int) -> torch.Tensor:
+def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    # The head count comes from the width, so a tensor-parallel shard (a slice of whole heads) works.
     b, l, _ = x.shape
-    return x.view(b, l, n, -1).transpose(1, 2)  # (B, H, L, Dh)
+    return x.view(b, l, -1, head_dim).transpose(1, 2)  # (B, H, L, Dh)
 
 
 def _merge(x: torch.Tensor) -> torch.Tensor:
@@ -24,25 +25,35 @@ def _merge(x: torch.Tensor) -> torch.Tensor:
 
 
 class SelfAttention(nn.Module):
-    """Fused qkv projection -> QK-norm -> optional RoPE -> attention -> out proj."""
+    """q/k/v projections -> QK-norm -> optional RoPE -> attention -> out proj.
+
+    q, k and v are separate linears (not one fused qkv) so that a column-wise tensor-parallel
+    shard holds whole heads of each. `attn_impl` is where context parallelism plugs in a
+    sequence-sharded attention with kernels.attention's signature; None = kernels.attention.
+    """
 
     def __init__(self, dim: int, heads: int, *, qk_norm: bool = True, bias: bool = True, eps: float = 1e-6):
         super().__init__()
         if dim % heads:
             raise ValueError(f"dim {dim} not divisible by heads {heads}")
         self.heads, self.head_dim = heads, dim // heads
-        self.qkv = nn.Linear(dim, 3 * dim, bias=bias)
+        self.to_q = nn.Linear(dim, dim, bias=bias)
+        self.to_k = nn.Linear(dim, dim, bias=bias)
+        self.to_v = nn.Linear(dim, dim, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else nn.Identity()
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else nn.Identity()
         self.proj = nn.Linear(dim, dim, bias=bias)
+        self.attn_impl = None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                 attn_mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
-        q, k, v = (_heads(t, self.heads) for t in self.qkv(x).chunk(3, dim=-1))
+        d = self.head_dim
+        q, k, v = _heads(self.to_q(x), d), _heads(self.to_k(x), d), _heads(self.to_v(x), d)
         q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        return self.proj(_merge(attention(q, k, v, causal=causal, attn_mask=attn_mask)))
+        attend = self.attn_impl or attention
+        return self.proj(_merge(attend(q, k, v, causal=causal, attn_mask=attn_mask)))
 
 
 class CrossAttention(nn.Module):
@@ -54,8 +65,9 @@ class CrossAttention(nn.Module):
         if dim % heads:
             raise ValueError(f"dim {dim} not divisible by heads {heads}")
         self.heads, self.head_dim = heads, dim // heads
-        self.q = nn.Linear(dim, dim, bias=bias)
-        self.kv = nn.Linear(context_dim or dim, 2 * dim, bias=bias)
+        self.to_q = nn.Linear(dim, dim, bias=bias)
+        self.to_k = nn.Linear(context_dim or dim, dim, bias=bias)
+        self.to_v = nn.Linear(context_dim or dim, dim, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, eps) if qk_norm else nn.Identity()
         self.k_norm = RMSNorm(self.head_dim, eps) if qk_norm else nn.Identity()
         self.proj = nn.Linear(dim, dim, bias=bias)
@@ -64,9 +76,9 @@ class CrossAttention(nn.Module):
                 context_mask: torch.Tensor | None = None) -> torch.Tensor:
         """context_mask (B, Lk) bool, True = real token. A sample with no valid token gets a
         zero output instead of the NaN a fully masked softmax would give."""
-        q = self.q_norm(_heads(self.q(x), self.heads))
-        k, v = (_heads(t, self.heads) for t in self.kv(context).chunk(2, dim=-1))
-        k = self.k_norm(k)
+        d = self.head_dim
+        q = self.q_norm(_heads(self.to_q(x), d))
+        k, v = self.k_norm(_heads(self.to_k(context), d)), _heads(self.to_v(context), d)
         mask, any_valid = None, None
         if context_mask is not None:
             context_mask = context_mask.bool()
