@@ -17,14 +17,15 @@ class MLP(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """w2(silu(w1 x) * w3 x), with w1/w3 fused into one matmul. Callers usually pass
-    hidden = 2/3 * 4 * dim so parameter count matches a 4x GELU MLP."""
+    """w2(silu(w1 x) * w3 x). Callers usually pass hidden = 2/3 * 4 * dim so the parameter
+    count matches a 4x GELU MLP. w1 and w3 stay separate linears so that a column-wise
+    tensor-parallel shard holds matching halves of both."""
 
     def __init__(self, dim: int, hidden: int, out_dim: int | None = None, bias: bool = False):
         super().__init__()
-        self.w13 = nn.Linear(dim, 2 * hidden, bias=bias)
+        self.w1 = nn.Linear(dim, hidden, bias=bias)
+        self.w3 = nn.Linear(dim, hidden, bias=bias)
         self.w2 = nn.Linear(hidden, out_dim or dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a, b = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(a) * b)
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
