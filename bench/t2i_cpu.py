@@ -38,7 +38,7 @@ def bench(name: str, overrides: list[str], batch: int, steps: int, peak: float) 
     cfg = build_config(T2IConfig, os.path.join(ROOT, "pipelines/text2image/configs/tiny.yaml"), overrides)
     comp = components.build(cfg)
     model = comp.model
-    loss_fn = components.make_loss_fn(comp, torch.device("cpu"))
+    prepare, criterion = components.make_step_fns(comp, torch.device("cpu"))
     opt = build_optimizer(model, cfg.optim)
     size = comp.latent_size
     captions = [f"a red circle on a black background {i}" for i in range(batch)]
@@ -46,8 +46,8 @@ def bench(name: str, overrides: list[str], batch: int, steps: int, peak: float) 
     def step(i: int) -> None:
         batch_d = {"image": torch.rand(batch, 3, size, size) * 2 - 1, "caption": captions,
                    "__position__": torch.arange(i * batch, (i + 1) * batch)}
-        loss, _ = loss_fn(model, batch_d)
-        loss.backward()
+        inputs, target = prepare(batch_d)
+        criterion(model(*inputs), target).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -80,9 +80,24 @@ class TrainConfig:
 
 @dataclass
 class ParallelConfig:
-    dp_mode: str = doc("auto", "auto | none | ddp | fsdp. auto: ddp when world size > 1")
+    dp_mode: str = doc("auto", "auto | none | ddp | fsdp. auto: ddp for pure data parallelism, "
+                               "fsdp as soon as tp, cp or pp is used")
+    dp_replicate: int = doc(1, "HSDP replicate degree (FSDP shards within groups of dp_shard, replicates across)")
+    dp_shard: int = doc(-1, "FSDP shard degree; -1 = whatever the world size leaves after the other degrees")
+    tp: int = doc(1, "tensor-parallel degree (DTensor plans; innermost mesh dimension)")
+    sequence_parallel: bool = doc(True, "with tp > 1: shard activations along the sequence between TP regions")
+    cp: int = doc(1, "context-parallel degree (sequence sharded attention)")
+    cp_mode: str = doc("ulysses", "ulysses | ring | hybrid (hybrid: cp_ulysses x (cp / cp_ulysses) ring)")
+    cp_ulysses: int = doc(2, "hybrid CP: the Ulysses (all-to-all) degree; the ring degree is cp / cp_ulysses")
+    pp: int = doc(1, "pipeline-parallel degree (stages across ranks)")
+    pp_schedule: str = doc("1f1b", "gpipe | 1f1b | interleaved (interleaved 1F1B) | zero_bubble (ZB-V); "
+                                    "train.grad_accum is the number of microbatches")
+    pp_stages_per_rank: int = doc(0, "virtual stages per rank; 0 = 1 for gpipe/1f1b, 2 for interleaved/zero_bubble")
     reshard_after_forward: bool = doc(True, "FSDP: True = ZeRO-3, False = ZeRO-2 behaviour")
     cpu_offload: bool = doc(False, "FSDP: keep sharded parameters and optimizer state on the CPU")
+    activation_checkpoint: str = doc("none", "none | full | selective (every ac_every-th block) | offload (saved activations to CPU)")
+    ac_every: int = doc(2, "selective activation checkpointing: recompute every k-th block")
+    compile: bool = doc(False, "torch.compile each block (inductor; needs a C++ compiler on CPU)")
 
 
 # --------------------------------------------------------------------------- loading

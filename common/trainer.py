@@ -1,8 +1,11 @@
 """The training loop shared by every pipeline.
 
-A pipeline hands over a (possibly DDP/FSDP-wrapped) model, a loss function
-`loss_fn(model, batch) -> (loss, aux)` and a loader; the Trainer owns gradient accumulation,
-clipping, AdamW, the LR schedule, EMA, non-finite guards, checkpoints, resume and logging.
+A pipeline hands over its parallelized model (common.parallel.ParallelModel), two functions
+`prepare(batch) -> (inputs, target)` (everything without trainable weights: frozen encoders,
+noise, timesteps) and `criterion(prediction, target) -> loss`, and a loader; the Trainer owns
+gradient accumulation (or pipeline microbatches), clipping, AdamW, the LR schedule, EMA,
+non-finite guards, checkpoints, resume and logging. The split lets pipeline parallelism feed
+`inputs` to the first stage and `target` to the last.
 
 Exactness: the LR is a pure function of the step, the loader's position is a global sample
 count, and training noise is seeded per sample by the pipeline, so a resumed run repeats the
@@ -22,7 +25,8 @@ from common import dist as mdist
 from common.checkpoint import CheckpointManager
 from common.ema import EMA
 from common.metrics import MetricsLogger, measure_matmul_peak, memory_stats
-from common.parallel.data_parallel import unwrap
+from common.parallel.grads import clip_grads
+from common.parallel.parallel_model import ParallelModel
 
 
 class TrainingError(RuntimeError):
@@ -57,29 +61,25 @@ def build_optimizer(model: torch.nn.Module, optim_cfg) -> torch.optim.Optimizer:
                              eps=optim_cfg.eps, foreach=True)
 
 
-def _as_float(t) -> float:
-    if hasattr(t, "full_tensor"):
-        t = t.full_tensor()
-    return float(t)
-
-
 class Trainer:
-    def __init__(self, cfg, info: mdist.DistInfo, model: torch.nn.Module, mode: str,
-                 loss_fn: Callable[[torch.nn.Module, dict], tuple[torch.Tensor, dict]], loader, *,
-                 signature: dict[str, Any], config_yaml: str,
+    def __init__(self, cfg, info: mdist.DistInfo, pm: ParallelModel,
+                 prepare: Callable[[dict], tuple[tuple, Any]], criterion: Callable[[Any, Any], torch.Tensor],
+                 loader, *, signature: dict[str, Any], config_yaml: str,
                  frozen: dict[str, torch.nn.Module] | None = None,
                  sample_fn: Callable[[torch.nn.Module, int], None] | None = None,
                  flops_per_sample: float = 0.0):
-        self.cfg, self.info, self.model, self.mode = cfg, info, model, mode
-        self.loss_fn, self.loader, self.sample_fn = loss_fn, loader, sample_fn
+        self.cfg, self.info, self.pm = cfg, info, pm
+        self.model = model = pm.module
+        self.prepare, self.criterion = prepare, criterion
+        self.loader, self.sample_fn = loader, sample_fn
         self.flops_per_sample = flops_per_sample
         self.config_yaml = config_yaml
         self.frozen = frozen or {}
         self.optimizer = build_optimizer(model, cfg.optim)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.ema = EMA(unwrap(model), cfg.train.ema_decay, cfg.train.ema_warmup) if cfg.train.ema_decay > 0 else None
+        self.ema = EMA(pm.plain, cfg.train.ema_decay, cfg.train.ema_warmup) if cfg.train.ema_decay > 0 else None
         self.ckpt = CheckpointManager(os.path.join(cfg.run.dir, "checkpoints"), cfg.train.keep_last, signature, info)
-        self.global_batch = cfg.data.micro_batch_size * cfg.train.grad_accum * info.world_size
+        self.global_batch = cfg.data.micro_batch_size * cfg.train.grad_accum * pm.dp_size
         self.step = 0
         self.skipped_steps = 0
         self.corrupt_total = 0
@@ -109,17 +109,39 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def _sample(self) -> None:
-        if self.sample_fn is None:
+        if self.sample_fn is None or not self.pm.can_sample:
             return
         ctx = self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext()
         with ctx:
-            self.sample_fn(unwrap(self.model), self.step)
+            self.sample_fn(self.pm.plain, self.step)
 
     def _peak_flops(self) -> float:
         if self.cfg.train.peak_flops > 0:
             return self.cfg.train.peak_flops
         n = 1024 if self.info.device.type == "cpu" else 8192
         return measure_matmul_peak(self.info.device, self.info.compute_dtype, n=n)
+
+    def _forward_backward(self, it) -> tuple[float, int]:
+        """One optimizer step's gradients; returns (this rank's mean loss, corrupt samples read)."""
+        accum = self.cfg.train.grad_accum
+        batches = [next(it) for _ in range(accum)]
+        corrupt = sum(int(b.get("__corrupt__", 0)) for b in batches)
+        if self.pm.pipeline is not None:
+            # The pipeline splits the step's batch back into grad_accum microbatches.
+            prepared = [self.prepare(b) for b in batches]
+            inputs = tuple(torch.cat(parts) for parts in zip(*(p[0] for p in prepared)))
+            target = torch.cat([p[1] for p in prepared])
+            loss = self.pm.pipeline.step(inputs, target)
+            return (float(loss) if loss is not None else 0.0), corrupt
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        ddp = isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
+        for micro, batch in enumerate(batches):
+            inputs, target = self.prepare(batch)
+            with self.model.no_sync() if ddp and micro < accum - 1 else contextlib.nullcontext():
+                loss = self.criterion(self.model(*inputs), target)
+                (loss / accum).backward()
+            loss_sum += loss.detach().double().cpu()
+        return float(loss_sum / accum), corrupt
 
     def fit(self) -> dict:
         cfg, tc = self.cfg, self.cfg.train
@@ -138,20 +160,19 @@ class Trainer:
                 lr = lr_at(self.step, tc.steps, cfg.optim)
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr
-                loss_sum = torch.zeros((), dtype=torch.float64)
-                corrupt = 0
-                for micro in range(tc.grad_accum):
-                    batch = next(it)
-                    corrupt += int(batch.get("__corrupt__", 0))
-                    no_sync = self.mode == "ddp" and micro < tc.grad_accum - 1
-                    with self.model.no_sync() if no_sync else contextlib.nullcontext():
-                        loss, _aux = self.loss_fn(self.model, batch)
-                        (loss / tc.grad_accum).backward()
-                    loss_sum += loss.detach().double().cpu()
-                reduced = mdist.all_reduce_mean(torch.stack([loss_sum / tc.grad_accum, torch.tensor(float(corrupt), dtype=torch.float64)]))
-                step_loss = float(reduced[0])
-                self.corrupt_total += round(float(reduced[1]) * self.info.world_size)
-                grad_norm = _as_float(torch.nn.utils.clip_grad_norm_(self.params, clip))
+                step_loss, corrupt = self._forward_backward(it)
+                # Every rank holding the loss (last pipeline stage) adds loss / (ranks per stage):
+                # the sum is the mean over data-parallel groups (CP/TP ranks hold identical copies).
+                share = step_loss / self.pm.ranks_per_stage if self.pm.holds_loss else 0.0
+                replicas = self.info.world_size // self.pm.dp_size  # ranks reading the same samples
+                totals = torch.tensor([share, corrupt / replicas], dtype=torch.float64)
+                if self.info.world_size > 1:
+                    torch.distributed.all_reduce(totals)
+                step_loss = float(totals[0])
+                self.corrupt_total += round(float(totals[1]))
+                for hook in self.pm.grad_hooks:
+                    hook()
+                grad_norm = clip_grads(self.params, clip, self.pm.ranks_per_stage)
                 if math.isfinite(step_loss) and math.isfinite(grad_norm):
                     self.optimizer.step()
                     if self.ema is not None:

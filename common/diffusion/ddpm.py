@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 
+from .flow import mse_per_sample
 from .noise import SALT_NOISE, SALT_TIME, per_sample_rand, per_sample_randn
 
 
@@ -70,10 +71,14 @@ class DDPM:
     def model_time(self, t: torch.Tensor) -> torch.Tensor:
         return t.float() / self.num_timesteps
 
-    def loss(self, model_fn: Callable, x0: torch.Tensor, cond, seeds):
-        """Returns (mean loss, per-sample MSE (B,)) on the chosen prediction target."""
+    def training_example(self, x0: torch.Tensor, seeds):
+        """(x_t, model time in [0, 1], target) for a training step."""
         t = self.sample_t(seeds, device=x0.device)
         eps = per_sample_randn(seeds, x0.shape[1:], SALT_NOISE, device=x0.device, dtype=x0.dtype)
-        pred = model_fn(self.q_sample(x0, eps, t), self.model_time(t), cond)
-        per_sample = (pred.float() - self.target(x0, eps, t).float()).pow(2).flatten(1).mean(1)
+        return self.q_sample(x0, eps, t), self.model_time(t), self.target(x0, eps, t)
+
+    def loss(self, model_fn: Callable, x0: torch.Tensor, cond, seeds):
+        """Returns (mean loss, per-sample MSE (B,)) on the chosen prediction target."""
+        x_t, t, target = self.training_example(x0, seeds)
+        per_sample = mse_per_sample(model_fn(x_t, t, cond), target)
         return per_sample.mean(), per_sample

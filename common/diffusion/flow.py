@@ -66,11 +66,20 @@ class RectifiedFlow:
     def target(x0: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
         return eps - x0
 
+    def training_example(self, x0: torch.Tensor, seeds, num_tokens: int | None = None):
+        """(x_t, t, target) for a training step: what the model sees and what it should predict."""
+        t = self.sample_t(seeds, num_tokens, device=x0.device)
+        eps = per_sample_randn(seeds, x0.shape[1:], SALT_NOISE, device=x0.device, dtype=x0.dtype)
+        return self.interpolate(x0, eps, t), t, self.target(x0, eps)
+
     def loss(self, model_fn: Callable, x0: torch.Tensor, cond, seeds, num_tokens: int | None = None):
         """model_fn(x_t, t, cond) -> v. Returns (mean loss, per-sample MSE (B,)).
         The per-sample losses let a sharded run reproduce the global mean exactly."""
-        t = self.sample_t(seeds, num_tokens, device=x0.device)
-        eps = per_sample_randn(seeds, x0.shape[1:], SALT_NOISE, device=x0.device, dtype=x0.dtype)
-        pred = model_fn(self.interpolate(x0, eps, t), t, cond)
-        per_sample = (pred.float() - self.target(x0, eps).float()).pow(2).flatten(1).mean(1)
+        x_t, t, target = self.training_example(x0, seeds, num_tokens)
+        per_sample = mse_per_sample(model_fn(x_t, t, cond), target)
         return per_sample.mean(), per_sample
+
+
+def mse_per_sample(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """(B,) mean squared error per sample, accumulated in fp32."""
+    return (pred.float() - target.float()).pow(2).flatten(1).mean(1)

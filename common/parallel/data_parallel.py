@@ -1,4 +1,4 @@
-"""Data parallelism: DDP (the baseline) and FSDP2 `fully_shard` (ZeRO-3 / ZeRO-2).
+"""Data parallelism: DDP (the baseline) and FSDP2 `fully_shard` (ZeRO-3 / ZeRO-2, HSDP).
 
 Pipelines say which submodules are the sharding units (their `parallelize.py`); this module
 knows nothing about any particular model.
@@ -8,55 +8,37 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from common.config import ConfigError, ParallelConfig
-from common.dist import DistInfo
-
-MODES = ("none", "ddp", "fsdp")
+from common.parallel.dims import ParallelDims
 
 
-def resolve_mode(cfg: ParallelConfig, info: DistInfo) -> str:
-    mode = cfg.dp_mode
-    if mode == "auto":
-        return "ddp" if info.world_size > 1 else "none"
-    if mode not in MODES:
-        raise ConfigError(f"parallel.dp_mode={mode!r} is not one of auto, {', '.join(MODES)}")
-    if mode == "none" and info.world_size > 1:
-        raise ConfigError(f"parallel.dp_mode=none but world size is {info.world_size}: use ddp or fsdp")
-    return mode
+def apply_ddp(model: torch.nn.Module, mesh, device: torch.device) -> torch.nn.Module:
+    ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=ids, process_group=mesh["dp"].get_group())
 
 
-def apply_ddp(model: torch.nn.Module, info: DistInfo) -> torch.nn.Module:
-    ids = [info.device.index] if info.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=ids)
+def fsdp_mesh(mesh, dims: ParallelDims):
+    """FSDP shards over dp_shard x cp; HSDP adds dp_replicate as the outer (replicating) dim."""
+    if dims.dp_replicate > 1:
+        return mesh["dp_replicate", "dp_shard_cp"]
+    return mesh["dp_shard_cp"]
 
 
-def apply_fsdp(model: torch.nn.Module, blocks: Iterable[torch.nn.Module], info: DistInfo, cfg: ParallelConfig) -> torch.nn.Module:
-    """fully_shard each block, then the root (which picks up embeddings and the final layer)."""
-    mesh = init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("dp_shard",))
-    kwargs = {"mesh": mesh, "reshard_after_forward": cfg.reshard_after_forward}
-    if info.device.type == "cuda":
+def apply_fsdp(model: torch.nn.Module, units: Iterable[torch.nn.Module], mesh, dims: ParallelDims,
+               device: torch.device, *, reshard_after_forward: bool = True, cpu_offload: bool = False) -> torch.nn.Module:
+    """fully_shard each unit (usually a block), then the root (which picks up embeddings and the final layer)."""
+    kwargs = {"mesh": fsdp_mesh(mesh, dims), "reshard_after_forward": reshard_after_forward}
+    if device.type == "cuda":
         # bf16 compute with fp32 master weights and fp32 gradient reduction (DESIGN: precision policy).
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if cfg.cpu_offload:
+    if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    for block in blocks:
-        fully_shard(block, **kwargs)
+    for unit in units:
+        fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
     return model
-
-
-def apply_data_parallel(model: torch.nn.Module, blocks: Iterable[torch.nn.Module], info: DistInfo,
-                        cfg: ParallelConfig) -> tuple[torch.nn.Module, str]:
-    mode = resolve_mode(cfg, info)
-    if mode == "ddp":
-        return apply_ddp(model, info), mode
-    if mode == "fsdp":
-        return apply_fsdp(model, blocks, info, cfg), mode
-    return model, mode
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -12,7 +12,7 @@ from common.checkpoint import CheckpointError
 from common.config import ConfigError
 from common.diffusion import noise as dnoise
 from common.diffusion.ddpm import DDPM
-from common.diffusion.flow import RectifiedFlow
+from common.diffusion.flow import RectifiedFlow, mse_per_sample
 from common.diffusion.samplers import ddim_sample, euler_sample
 from pipelines.text2image.config import T2IConfig
 from pipelines.text2image.model import DiT, TextEncoder, TextEncoderConfig, dit_config
@@ -110,30 +110,30 @@ def sample_seeds(run_seed: int, positions: torch.Tensor) -> torch.Tensor:
     return positions.long() + int(run_seed) * (1 << 40)
 
 
-def make_loss_fn(comp: Components, device):
+def make_step_fns(comp: Components, device):
+    """(prepare, criterion) for the Trainer. prepare holds everything without trainable weights
+    (text tower, VAE, timesteps, noise) and returns the DiT's inputs and the regression target."""
     cfg = comp.cfg
 
-    def loss_fn(model, batch):
+    @torch.no_grad()
+    def prepare(batch):
         seeds = sample_seeds(cfg.run.seed, batch["__position__"])
         captions = list(batch["caption"])
         if cfg.diffusion.cfg_dropout > 0:
             drop = dnoise.drop_mask(seeds, cfg.diffusion.cfg_dropout).tolist()
             captions = ["" if d else c for c, d in zip(captions, drop)]
-        with torch.no_grad():
-            context, mask = comp.text_encoder(captions)
+        context, mask = comp.text_encoder(captions)
         x0 = encode_images(comp, batch, device)
-        cond = (context.to(device), mask.to(device))
-
-        def model_fn(x_t, t, c):
-            return model(x_t, t, c[0], c[1])
-
         if isinstance(comp.objective, RectifiedFlow):
-            loss, per_sample = comp.objective.loss(model_fn, x0, cond, seeds, num_tokens=comp.num_tokens)
+            x_t, t, target = comp.objective.training_example(x0, seeds, num_tokens=comp.num_tokens)
         else:
-            loss, per_sample = comp.objective.loss(model_fn, x0, cond, seeds)
-        return loss, {"per_sample": per_sample.detach()}
+            x_t, t, target = comp.objective.training_example(x0, seeds)
+        return (x_t, t, context.to(device), mask.to(device)), target
 
-    return loss_fn
+    def criterion(pred, target):
+        return mse_per_sample(pred, target).mean()
+
+    return prepare, criterion
 
 
 @torch.no_grad()

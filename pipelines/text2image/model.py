@@ -206,24 +206,35 @@ class DiT(nn.Module):
         half = self.cfg.hidden // self.cfg.heads // 2
         return rope_frequencies(pos, (half, half), self.cfg.rope_theta)
 
+    def embed(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor,
+              context_mask: torch.Tensor | None = None):
+        """Everything before the blocks: (tokens (B, N, D), t0 (B, 6D), temb (B, D), text (B, L, D))."""
+        p = self.cfg.patch_size
+        h = self.patch_embed(x)
+        if self.cfg.abs_pos:
+            h = h + sincos_2d(x.shape[-2] // p, x.shape[-1] // p, h.shape[-1], x.device).to(h.dtype)
+        temb = self.t_embedder(t)
+        if self.pooled_proj is not None:
+            temb = temb + self.pooled_proj(_masked_mean(context.to(h.dtype), context_mask))
+        return h, self.t_block(temb), temb, self.caption_proj(context.to(h.dtype))
+
+    def head(self, h: torch.Tensor, temb: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        """Final adaLN layer and unpatchify: tokens (B, N, D) -> (B, C, H, W)."""
+        return unpatchify(self.final(h, temb), grid[0], grid[1], self.cfg.patch_size, self.cfg.in_channels)
+
+    def grid(self, x: torch.Tensor) -> tuple[int, int]:
+        return x.shape[-2] // self.cfg.patch_size, x.shape[-1] // self.cfg.patch_size
+
     def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor,
                 context_mask: torch.Tensor | None = None) -> torch.Tensor:
         """x (B, C, H, W); t (B,) in [0, 1] (0 = data); context (B, L, text_dim);
         context_mask (B, L) bool True = real token. Returns (B, C, H, W)."""
-        p = self.cfg.patch_size
-        gh, gw = x.shape[-2] // p, x.shape[-1] // p
-        h = self.patch_embed(x)
-        if self.cfg.abs_pos:
-            h = h + sincos_2d(gh, gw, h.shape[-1], x.device).to(h.dtype)
-        rope = self.rope(gh, gw, x.device)
-        temb = self.t_embedder(t)
-        if self.pooled_proj is not None:
-            temb = temb + self.pooled_proj(_masked_mean(context.to(h.dtype), context_mask))
-        t0 = self.t_block(temb)
-        ctx = self.caption_proj(context.to(h.dtype))
+        grid = self.grid(x)
+        h, t0, temb, ctx = self.embed(x, t, context, context_mask)
+        rope = self.rope(*grid, x.device)
         for block in self.blocks:
             h = block(h, t0, ctx, context_mask, rope)
-        return unpatchify(self.final(h, temb), gh, gw, p, self.cfg.in_channels)
+        return self.head(h, temb, grid)
 
     def flops_per_sample(self, num_tokens: int | None = None, text_len: int | None = None) -> int:
         return dit_flops(self.cfg, num_tokens, text_len)

@@ -1,7 +1,11 @@
 """Train a text-to-image DiT.
 
   python -m pipelines.text2image.train --config pipelines/text2image/configs/tiny.yaml [key=value ...]
-  torchrun --nproc_per_node 2 -m pipelines.text2image.train --config ... parallel.dp_mode=fsdp
+  torchrun --nproc_per_node 4 -m pipelines.text2image.train --config ... parallel.tp=2   (FSDP 2 x TP 2)
+
+Parallel layouts (parallel.*): dp_shard/dp_replicate (FSDP, HSDP), tp (+ sequence_parallel),
+cp with cp_mode ulysses|ring|hybrid, pp with pp_schedule 1f1b|interleaved|zero_bubble|gpipe,
+activation_checkpoint, compile. Their product must equal the number of processes.
 """
 from __future__ import annotations
 
@@ -26,8 +30,16 @@ def main(argv=None) -> int:
     mdist.seed_everything(cfg.run.seed, info.rank)
     torch.use_deterministic_algorithms(True, warn_only=True)
     comp = components.build(cfg)
+    comp.model.to(info.device)
+    comp.text_encoder.to(info.device)
+    if comp.vae is not None:
+        comp.vae.to(info.device)
+    prepare, criterion = components.make_step_fns(comp, info.device)
+    n_params = sum(p.numel() for p in comp.model.parameters())
+    flops_per_sample = comp.model.flops_per_sample()
+    pm = parallelize(comp.model, cfg.parallel, info, microbatches=cfg.train.grad_accum, criterion=criterion)
     loader = StreamingLoader(cfg.data.train_shards, ImageDecoder(cfg.model.image_size, use_latents=bool(cfg.vae.path)),
-                             micro_batch_size=cfg.data.micro_batch_size, dp_rank=info.rank, dp_size=info.world_size,
+                             micro_batch_size=cfg.data.micro_batch_size, dp_rank=pm.dp_rank, dp_size=pm.dp_size,
                              num_workers=cfg.data.num_workers, seed=cfg.run.seed, shuffle=cfg.data.shuffle,
                              window=cfg.data.shuffle_window, prefetch_factor=cfg.data.prefetch_factor)
     # The sample grid shows held-out captions: colour/shape pairs never seen together in training.
@@ -37,14 +49,9 @@ def main(argv=None) -> int:
         os.makedirs(cfg.run.dir, exist_ok=True)
         with open(os.path.join(cfg.run.dir, "config.yaml"), "w") as f:
             f.write(config_yaml)
-        n_params = sum(p.numel() for p in comp.model.parameters())
         print(f"text2image: DiT {n_params / 1e6:.2f}M params, {comp.num_tokens} tokens/sample, "
-              f"{loader.num_samples} training samples, world size {info.world_size}, device {info.device}", flush=True)
-    comp.model.to(info.device)
-    comp.text_encoder.to(info.device)
-    if comp.vae is not None:
-        comp.vae.to(info.device)
-    model, mode = parallelize(comp.model, cfg.parallel, info)
+              f"{loader.num_samples} training samples, world size {info.world_size} [{pm.dims.describe}], "
+              f"device {info.device}", flush=True)
 
     def sample_fn(model_for_sampling, step: int) -> None:
         if not prompts:
@@ -58,10 +65,10 @@ def main(argv=None) -> int:
             with open(os.path.join(cfg.run.dir, "samples", f"step_{step:08d}.txt"), "w") as f:
                 f.write("\n".join(prompts) + "\n")
 
-    trainer = Trainer(cfg, info, model, mode, components.make_loss_fn(comp, info.device), loader,
+    trainer = Trainer(cfg, info, pm, prepare, criterion, loader,
                       signature=components.signature(cfg, comp), config_yaml=config_yaml,
                       frozen={"text_encoder": comp.text_encoder}, sample_fn=sample_fn,
-                      flops_per_sample=comp.model.flops_per_sample())
+                      flops_per_sample=flops_per_sample)
     summary = trainer.fit()
     if info.is_main:
         print(f"done: step {summary['step']}, skipped steps {summary['skipped_steps']}, "

@@ -1,0 +1,53 @@
+"""Gradient norm and clipping over any parallel layout.
+
+torch's clip_grad_norm_ assumes every rank holds the same set of parameters; under pipeline
+parallelism stages hold different ones, and under FSDP x TP a rank mixes DTensors on different
+meshes with plain replicated tensors. Here each rank sums the squares of the gradient elements it
+holds, divided by how many ranks of its pipeline stage hold the same elements, and one all-reduce
+over the world gives every rank the global norm.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+
+def _local_and_copies(g: torch.Tensor, ranks_per_stage: int) -> tuple[torch.Tensor, int]:
+    if isinstance(g, DTensor):
+        shards = 1
+        for size, placement in zip(g.device_mesh.shape, g.placements):
+            if isinstance(placement, Shard):
+                shards *= size
+        return g.to_local(), ranks_per_stage // shards
+    return g, ranks_per_stage
+
+
+@torch.no_grad()
+def grad_norm(params, ranks_per_stage: int = 1) -> float:
+    """Global L2 norm of the gradients of `params` (this rank's parameters); every rank must call."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.zeros((), dtype=torch.float64)
+    if grads:
+        pairs = [_local_and_copies(g, ranks_per_stage) for g in grads]
+        norms = torch._foreach_norm([t for t, _ in pairs])  # one fused pass per device/dtype
+        for n, (_, copies) in zip(norms, pairs):
+            total += n.double().cpu().square() / copies
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    return math.sqrt(float(total))
+
+
+@torch.no_grad()
+def clip_grads(params, max_norm: float, ranks_per_stage: int = 1) -> float:
+    """Scale gradients so their global norm is at most max_norm; returns the norm before clipping
+    (as torch.nn.utils.clip_grad_norm_ does, same 1e-6 guard)."""
+    norm = grad_norm(params, ranks_per_stage)
+    if math.isfinite(norm) and norm > max_norm:
+        coef = max_norm / (norm + 1e-6)
+        grads = [p.grad for p in params if p.grad is not None]
+        locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        torch._foreach_mul_(locals_, coef)
+    return norm
