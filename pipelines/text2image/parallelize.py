@@ -133,5 +133,28 @@ def _apply_tp(model: DiT, mesh, cfg):
     raise NotImplementedError
 
 
-def _apply_cp(model: DiT, mesh, dims: ParallelDims):
-    raise NotImplementedError
+def _apply_cp(model: DiT, mesh, dims: ParallelDims) -> None:
+    """Shard the token sequence over the CP ranks from the first block to the final layer.
+
+    Self-attention goes through ContextParallel; cross-attention needs nothing (the text is
+    replicated, queries stay local) and every other layer is token-wise. The final layer runs on
+    the gathered sequence, identically on every CP rank; gather's backward (local slice x cp)
+    plus the gradient averaging over dp x cp make every parameter's gradient exact.
+    """
+    from common.parallel.context_parallel import ContextParallel
+    # The DiT's attention is bidirectional, so contiguous shards already balance the work.
+    cp = ContextParallel(mesh["cp"], mode=dims.cp_mode, layout="contiguous",
+                         ulysses_degree=dims.cp_ulysses if dims.cp_mode == "hybrid" else None)
+    cp.validate(model.cfg.heads, model.cfg.heads, model.cfg.num_tokens)
+    first = model.blocks[0]
+
+    def shard_block_inputs(block, args):
+        h, t0, ctx, mask, rope = args
+        if block is first:
+            h = cp.shard(h, 1)
+        return h, t0, ctx, mask, tuple(cp.shard(r, 0) for r in rope)  # RoPE rows follow their tokens
+
+    for block in model.blocks:
+        block.attn.attn_impl = cp.attention
+        block.register_forward_pre_hook(shard_block_inputs)
+    model.final.register_forward_pre_hook(lambda _, args: (cp.gather(args[0], 1), *args[1:]))

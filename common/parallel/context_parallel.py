@@ -1,0 +1,535 @@
+"""Context parallelism: softmax attention over a sequence sharded across the CP ranks.
+
+    cp = ContextParallel(mesh["cp"], mode="ring", layout="zigzag")
+    cp.validate(num_heads, num_kv_heads, seq_len)     # fail at start, naming the numbers
+    x = cp.shard(tokens, dim=1)                        # (B, L_local, C) on every CP rank
+    block.attn.attn_impl = cp.attention                # q, k, v arrive as (B, H, L_local, D)
+    out = cp.gather(x, dim=1)                          # (B, L, C), natural order
+
+Modes (their product is the CP degree N = ulysses_degree x ring_degree):
+  ulysses  all-to-all turns (sequence-sharded, all heads) into (full sequence, heads/N), runs the
+           local kernel, and turns it back. Two all-to-alls per call; needs heads % N == 0.
+  ring     K/V blocks travel round the ring (point-to-point, the next transfer posted before the
+           current block is computed); partial outputs are merged by log-sum-exp. The backward
+           sends K/V together with their dK/dV accumulators, so no rank ever holds the full K/V.
+  hybrid   Ulysses inside the inner group, ring across the outer one: fewer ring steps than pure
+           ring, fewer heads needed than pure Ulysses.
+
+Layouts: "contiguous" (rank r holds tokens [r*L/N, (r+1)*L/N)) or "zigzag" (the sequence cut into
+2N chunks, rank r holding chunks r and 2N-1-r), which gives every rank the same causal work.
+
+Uneven lengths are padded, exactly: a sequence is padded at its end to a multiple of N (2N for
+zigzag) before sharding; padded keys are never attended to, padded query rows give zeros, and
+`gather` drops them, so values and gradients equal the unpadded computation. Layers between
+shard and gather see the padded tokens as extra rows: that is exact for token-wise layers and
+CP attention, not for a layer that pools over the sequence. The true length is recorded by
+`shard` (or given as `seq_len=` to attention/gather).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from common.kernels import attention as _kernel_attention
+from common.kernels import attention_reference
+
+MODES = ("ulysses", "ring", "hybrid")
+LAYOUTS = ("contiguous", "zigzag")
+
+
+# ----------------------------------------------------------------------------- collectives
+def _all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """Split x into n pieces along scatter_dim, send piece i to group rank i, and concatenate
+    what arrives along gather_dim in source-rank order."""
+    n = dist.get_world_size(group)
+    inp = torch.stack(x.chunk(n, scatter_dim)).contiguous()
+    out = torch.empty_like(inp)
+    dist.all_to_all_single(out, inp, group=group)
+    return torch.cat(out.unbind(0), dim=gather_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    # The adjoint of an all-to-all is the all-to-all with the two dims swapped.
+    @staticmethod
+    def forward(ctx, x, group, scatter_dim, gather_dim):
+        ctx.args = (group, scatter_dim, gather_dim)
+        return _all_to_all(x, group, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, scatter_dim, gather_dim = ctx.args
+        return _all_to_all(grad.contiguous(), group, gather_dim, scatter_dim), None, None, None
+
+
+def _exchange(send: torch.Tensor, recv: torch.Tensor, ring, tag: int):
+    """Send to the next ring rank and receive from the previous one, batched so that NCCL
+    posts both sides together (separate isend/irecv pairs can deadlock there)."""
+    ops = [dist.P2POp(dist.isend, send, ring.next_peer, ring.group, tag),
+           dist.P2POp(dist.irecv, recv, ring.prev_peer, ring.group, tag)]
+    return dist.batch_isend_irecv(ops)
+
+
+def _wait(reqs):
+    for r in reqs:
+        r.wait()
+
+
+# ----------------------------------------------------------------------------- ring planning
+# A "segment" is a run of local rows holding consecutive global positions:
+# (local_start, global_start, length). Each position has one owner, so two segments of different
+# participants are disjoint ranges (one wholly before the other), and a participant's query and
+# key segments are the same list: under causality a (query, key) segment pair is fully visible,
+# fully hidden, or the same range (the ordinary causal diagonal); nothing else can occur.
+
+def _merge_adjacent(segs):
+    out = []
+    for lo, g, n in segs:
+        if out and out[-1][0] + out[-1][2] == lo and out[-1][1] + out[-1][2] == g:
+            plo, pg, pn = out[-1]
+            out[-1] = (plo, pg, pn + n)
+        else:
+            out.append((lo, g, n))
+    return out
+
+
+def _truncate(segs, seq_len):
+    """Drop padding (global positions >= seq_len); padding always sits at a segment's end."""
+    out = []
+    for lo, g, n in segs:
+        n = min(n, seq_len - g)
+        if n > 0:
+            out.append((lo, g, n))
+    return out
+
+
+def _plan(q_segs, k_segs, causal: bool, q_rows: int):
+    """Attention calls for one (query block, key block) pair: a list of (q_lo, q_hi, k_ranges,
+    diag) where k_ranges are local (lo, hi) rows of the key block to concatenate and diag marks
+    the causal diagonal. Without causality all valid keys go in one call with every query row."""
+    if not k_segs:
+        return []
+    if not causal:
+        return [(0, q_rows, [(lo, lo + n) for lo, _, n in k_segs], False)]
+    calls = []
+    for qlo, qg, qn in q_segs:
+        full = [(klo, klo + kn) for klo, kg, kn in k_segs if kg + kn <= qg]  # every key before every query
+        if full:
+            calls.append((qlo, qlo + qn, full, False))
+        for klo, kg, kn in k_segs:
+            if kg == qg:  # same range (see above); the remaining segments lie wholly after
+                calls.append((qlo, qlo + qn, [(klo, klo + kn)], True))
+    return calls
+
+
+class _Ring:
+    """Static description of one ring: group, peers and every participant's segments."""
+
+    def __init__(self, group, segs_per_participant, seq_len, causal, scale):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.next_peer = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.prev_peer = dist.get_global_rank(group, (self.rank - 1) % self.size)
+        self.segs = [_truncate(s, seq_len) for s in segs_per_participant]
+        self.causal, self.scale = causal, scale
+        self._plans = {}
+
+    def plan(self, src: int, q_rows: int):
+        if src not in self._plans:
+            self._plans[src] = _plan(self.segs[self.rank], self.segs[src], self.causal, q_rows)
+        return self._plans[src]
+
+
+def _cat_rows(x, ranges):
+    if len(ranges) == 1:
+        return x[:, :, ranges[0][0]:ranges[0][1]]
+    return torch.cat([x[:, :, lo:hi] for lo, hi in ranges], dim=2)
+
+
+def _compute_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _block_forward(q, k, v, diag, scale, cdt):
+    """(out, lse) of one block in the compute dtype. float64 goes through the reference so the
+    lse stays float64 (the kernel's lse is fp32, which would cap the merged accuracy at ~1e-7)."""
+    if cdt == torch.float64:
+        out, lse = attention_reference(q, k, v, causal=diag, scale=scale, dtype=torch.float64)
+    else:
+        out, lse = _kernel_attention(q, k, v, causal=diag, return_lse=True, scale=scale)
+    return out.to(cdt), lse.to(cdt)
+
+
+def _merge_(acc_out, acc_lse, out, lse):
+    """acc <- logsumexp-weighted merge of acc and a new partial, in place. Rows that are empty in
+    both stay (0, -inf) instead of becoming NaN."""
+    new = torch.logaddexp(acc_lse, lse)
+    ref = new.masked_fill(torch.isinf(new), 0.0)
+    acc_out.mul_(torch.exp(acc_lse - ref).unsqueeze(-1)).add_(out * torch.exp(lse - ref).unsqueeze(-1))
+    acc_lse.copy_(new)
+
+
+def _block_backward(q, k, v, dout, lse, delta, diag, scale, cdt):
+    """FlashAttention-style block gradients from the final lse: returns dq, dk, dv (GQA reduced)."""
+    b, hq, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    g = hq // hkv
+    qc, kc, vc, do = q.to(cdt), k.to(cdt), v.to(cdt), dout
+    if g > 1:
+        kc, vc = kc.repeat_interleave(g, dim=1), vc.repeat_interleave(g, dim=1)
+    s = torch.matmul(qc, kc.transpose(-1, -2)) * scale
+    if diag:  # lq == lk here
+        s = s.masked_fill(torch.ones(lq, lk, dtype=torch.bool, device=q.device).triu(1), -math.inf)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    dv = torch.matmul(p.transpose(-1, -2), do)
+    dp = torch.matmul(do, vc.transpose(-1, -2))
+    ds = p * (dp - delta.unsqueeze(-1))
+    dq = torch.matmul(ds, kc) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), qc) * scale
+    if g > 1:
+        dk = dk.view(b, hkv, g, lk, d).sum(2)
+        dv = dv.view(b, hkv, g, lk, d).sum(2)
+    return dq, dk, dv
+
+
+def _add_rows_(dst, src, ranges):
+    off = 0
+    for lo, hi in ranges:
+        dst[:, :, lo:hi] += src[:, :, off:off + hi - lo]
+        off += hi - lo
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ring: _Ring):
+        cdt = _compute_dtype(q.dtype)
+        b, h, lq, d = q.shape
+        out = torch.zeros(b, h, lq, d, dtype=cdt, device=q.device)
+        lse = torch.full((b, h, lq), -math.inf, dtype=cdt, device=q.device)
+        kv = torch.stack([k, v]).contiguous()
+        for step in range(ring.size):
+            src = (ring.rank - step) % ring.size
+            if step < ring.size - 1:  # post the next block's transfer before computing this one
+                nxt = torch.empty_like(kv)
+                reqs = _exchange(kv, nxt, ring, tag=0)
+            for qlo, qhi, kr, diag in ring.plan(src, lq):
+                o, l = _block_forward(q[:, :, qlo:qhi], _cat_rows(kv[0], kr), _cat_rows(kv[1], kr),
+                                      diag, ring.scale, cdt)
+                _merge_(out[:, :, qlo:qhi], lse[:, :, qlo:qhi], o, l)
+            if step < ring.size - 1:
+                _wait(reqs)
+                kv = nxt
+        out = out.to(q.dtype)
+        ctx.ring = ring
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring = ctx.ring
+        cdt = _compute_dtype(q.dtype)
+        lq = q.shape[2]
+        do = dout.to(cdt)
+        delta = (do * out.to(cdt)).sum(-1)
+        lse = lse.masked_fill(torch.isneginf(lse), math.inf)  # empty rows: P = exp(s - inf) = 0
+        dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
+        kv = torch.stack([k, v]).contiguous()
+        dkv_reqs = dkv_in = None
+        for step in range(ring.size):
+            src = (ring.rank - step) % ring.size
+            last = step == ring.size - 1
+            if not last:
+                nxt = torch.empty_like(kv)
+                kv_reqs = _exchange(kv, nxt, ring, tag=0)
+            dkv = torch.zeros((2,) + tuple(k.shape), dtype=cdt, device=k.device)
+            for qlo, qhi, kr, diag in ring.plan(src, lq):
+                dq_i, dk_i, dv_i = _block_backward(
+                    q[:, :, qlo:qhi], _cat_rows(kv[0], kr), _cat_rows(kv[1], kr), do[:, :, qlo:qhi],
+                    lse[:, :, qlo:qhi], delta[:, :, qlo:qhi], diag, ring.scale, cdt)
+                dq[:, :, qlo:qhi] += dq_i
+                _add_rows_(dkv[0], dk_i, kr)
+                _add_rows_(dkv[1], dv_i, kr)
+            if dkv_reqs is not None:  # the accumulator for this block from the previous rank
+                _wait(dkv_reqs)
+                dkv += dkv_in
+            if ring.size > 1:
+                # Pass this block's accumulator on; receive the one for the block held next step
+                # (after the last step: our own block's complete gradient).
+                dkv_in = torch.empty_like(dkv)
+                dkv_reqs = _exchange(dkv, dkv_in, ring, tag=1)
+            if not last:
+                _wait(kv_reqs)
+                kv = nxt
+        if ring.size > 1:
+            _wait(dkv_reqs)
+            dkv = dkv_in
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+
+
+# ----------------------------------------------------------------------------- shard / gather
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cp, dim, seq_len):
+        ctx.args = (cp, dim)
+        return cp._gather_natural(x, dim, seq_len)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cp, dim = ctx.args
+        # The caller's post-gather computation is replicated on every CP rank and parameter grads
+        # are averaged over CP: scaling by N makes that average the true gradient.
+        return cp._shard_raw(grad, dim) * cp.size, None, None, None
+
+
+class ContextParallel:
+    """Sequence-sharded attention over the CP process group(s).
+
+    mesh: a 1-D DeviceMesh (the "cp" dim) for ulysses, ring or hybrid, or a 2-D DeviceMesh with
+      dims ("cp_ring", "cp_ulysses") (Ulysses innermost) for hybrid; None means no CP (size 1).
+      For hybrid on a 1-D mesh, `ulysses_degree` is required and the two sub-groups are carved
+      out of the mesh (DeviceMesh._unflatten; every CP rank must construct the object, since that
+      creates process groups). CP rank r = ring_rank * ulysses_degree + ulysses_rank.
+    mode: "ulysses" | "ring" | "hybrid". layout: "contiguous" | "zigzag".
+
+    attention() refuses attn_mask; RoPE/position tables must be sharded like the tokens
+    (`shard(table, 0)` or index them with `positions(seq_len)`).
+    """
+
+    def __init__(self, mesh: DeviceMesh | None, mode: str = "ring", *, layout: str = "contiguous",
+                 ulysses_degree: int | None = None):
+        if mode not in MODES:
+            raise ValueError(f"context parallel mode {mode!r} is not one of {MODES}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"context parallel layout {layout!r} is not one of {LAYOUTS}")
+        self.mode, self.layout, self.mesh = mode, layout, mesh
+        self.seq_len: int | None = None  # true global length, recorded by shard()
+        self._rings: dict = {}  # geometry caches: rings and Ulysses row orders
+        if mesh is None:
+            self.size, self.rank, self.ulysses_degree, self.ring_degree = 1, 0, 1, 1
+            self._ulysses_group = self._ring_group = None
+            self._gather_groups = []
+            return
+        if mesh.ndim == 2:
+            names = mesh.mesh_dim_names or ("cp_ring", "cp_ulysses")
+            if mode != "hybrid":
+                raise ValueError(f"a 2-D CP mesh {tuple(names)} means mode='hybrid', got {mode!r}")
+            ring_mesh, uly_mesh = mesh[names[0]], mesh[names[1]]
+            if ulysses_degree is not None and ulysses_degree != uly_mesh.size():
+                raise ValueError(f"ulysses_degree={ulysses_degree} contradicts the mesh's "
+                                 f"{names[1]} size {uly_mesh.size()}")
+        elif mesh.ndim == 1:
+            n = mesh.size()
+            if mode == "hybrid":
+                if not ulysses_degree or n % ulysses_degree:
+                    raise ValueError(f"parallel.cp={n}: hybrid mode needs a ulysses_degree dividing {n}, "
+                                     f"got {ulysses_degree}")
+                sub = mesh._unflatten(0, (n // ulysses_degree, ulysses_degree), ("cp_ring", "cp_ulysses"))
+                ring_mesh, uly_mesh = sub["cp_ring"], sub["cp_ulysses"]
+            else:
+                if ulysses_degree not in (None, n if mode == "ulysses" else 1):
+                    raise ValueError(f"mode={mode!r} on parallel.cp={n} contradicts "
+                                     f"ulysses_degree={ulysses_degree}")
+                ring_mesh = mesh if mode == "ring" else None
+                uly_mesh = mesh if mode == "ulysses" else None
+        else:
+            raise ValueError(f"context parallel needs a 1-D or 2-D DeviceMesh, got {mesh.ndim}-D")
+        self._ulysses_group = uly_mesh.get_group() if uly_mesh is not None else None
+        self._ring_group = ring_mesh.get_group() if ring_mesh is not None else None
+        self.ulysses_degree = uly_mesh.size() if uly_mesh is not None else 1
+        self.ring_degree = ring_mesh.size() if ring_mesh is not None else 1
+        self.size = self.ulysses_degree * self.ring_degree
+        ur = dist.get_rank(self._ulysses_group) if uly_mesh is not None else 0
+        rr = dist.get_rank(self._ring_group) if ring_mesh is not None else 0
+        self.rank = rr * self.ulysses_degree + ur
+        # all-gather inner group first so the concatenation comes out in CP-rank order
+        self._gather_groups = [g for g in (self._ulysses_group, self._ring_group) if g is not None]
+
+    # ------------------------------------------------------------------ geometry
+    def _describe(self) -> str:
+        return f"parallel.cp={self.size} (ulysses {self.ulysses_degree} x ring {self.ring_degree})"
+
+    @property
+    def num_chunks(self) -> int:
+        return 2 * self.size if self.layout == "zigzag" else self.size
+
+    def padded_len(self, seq_len: int) -> int:
+        """seq_len rounded up to a multiple of N (2N for zigzag)."""
+        m = self.num_chunks
+        return -(-seq_len // m) * m
+
+    def _chunk_ids(self, cp_rank: int) -> list[int]:
+        if self.layout == "zigzag":
+            return [cp_rank, 2 * self.size - 1 - cp_rank]
+        return [cp_rank]
+
+    def _segments(self, cp_rank: int, chunk: int):
+        return [(i * chunk, c * chunk, chunk) for i, c in enumerate(self._chunk_ids(cp_rank))]
+
+    def positions(self, seq_len: int, device=None) -> torch.Tensor:
+        """Global token indices (long) of this rank's shard of a length-seq_len sequence, in
+        local order. Indices >= seq_len are padding rows (clamp them for table lookups)."""
+        c = self.padded_len(seq_len) // self.num_chunks
+        ids = self._chunk_ids(self.rank)
+        return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in ids])
+
+    def validate(self, num_heads: int, num_kv_heads: int, seq_len: int) -> None:
+        """Raise ValueError, naming the numbers, if these shapes cannot run under this CP layout.
+        Sequence lengths that do not divide are accepted (padded, see the module doc); kv heads
+        that do not divide by the Ulysses degree are replicated (their gradients summed back)."""
+        if num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise ValueError(f"{self._describe()}: {num_heads} query heads are not a multiple of "
+                             f"{num_kv_heads} kv heads")
+        if num_heads % self.ulysses_degree:
+            raise ValueError(f"{self._describe()}: {num_heads} heads are not divisible by the Ulysses "
+                             f"degree {self.ulysses_degree}; use a Ulysses degree dividing {num_heads} "
+                             f"or more ring parallelism")
+        if seq_len < 1:
+            raise ValueError(f"{self._describe()}: sequence length {seq_len} must be positive")
+
+    # ------------------------------------------------------------------ shard / gather
+    def _shard_raw(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        n = x.shape[dim]
+        lp = self.padded_len(n)
+        if lp != n:
+            pad = list(x.shape)
+            pad[dim] = lp - n
+            x = torch.cat([x, x.new_zeros(pad)], dim)
+        c = lp // self.num_chunks
+        parts = [x.narrow(dim, i * c, c) for i in self._chunk_ids(self.rank)]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts, dim)).contiguous()
+
+    def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's part of x (identical on all CP ranks) along dim, padded to padded_len.
+        Records the true length for attention/gather. Backward: plain slicing (the gradient is
+        the local part, zeros elsewhere)."""
+        if self.size == 1:
+            return x
+        self.seq_len = x.shape[dim]
+        return self._shard_raw(x, dim)
+
+    def _gather_natural(self, x: torch.Tensor, dim: int, seq_len: int) -> torch.Tensor:
+        x = x.contiguous()
+        for group in self._gather_groups:
+            bufs = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(bufs, x, group=group)
+            x = torch.cat(bufs, dim)
+        if self.layout == "zigzag":  # rank r's shard is chunks (r, 2N-1-r): put them back in place
+            n = self.size
+            chunks = [None] * (2 * n)
+            for r, piece in enumerate(x.chunk(n, dim)):
+                chunks[r], chunks[2 * n - 1 - r] = piece.chunk(2, dim)
+            x = torch.cat(chunks, dim)
+        return x.narrow(dim, 0, seq_len)
+
+    def gather(self, x: torch.Tensor, dim: int, seq_len: int | None = None) -> torch.Tensor:
+        """All-gather the local shards into the full tensor in natural order, padding dropped.
+
+        Backward: the local slice of the incoming gradient multiplied by the CP size N. This is
+        the right gradient when the computation after the gather is replicated identically on
+        every CP rank and parameter gradients are then AVERAGED over the CP group (as the
+        data-parallel reduction over dp x cp does): each rank's pre-gather parameters only see
+        their own shard's contribution, and the x N turns the average of those into the sum."""
+        if self.size == 1:
+            return x
+        seq_len = self._seq_len(x.shape[dim], seq_len)
+        return _Gather.apply(x, self, dim, seq_len)
+
+    def _seq_len(self, local_len: int, seq_len: int | None) -> int:
+        lp = local_len * self.size
+        seq_len = seq_len if seq_len is not None else (self.seq_len if self.seq_len is not None else lp)
+        if self.padded_len(seq_len) != lp:
+            raise ValueError(f"{self._describe()}: local length {local_len} x {self.size} ranks = {lp} "
+                             f"is not the padded length {self.padded_len(seq_len)} of sequence length "
+                             f"{seq_len}; shard the sequence with this object or pass seq_len=")
+        return seq_len
+
+    # ------------------------------------------------------------------ attention
+    def attention(self, q, k, v, *, causal: bool = False, attn_mask=None, return_lse: bool = False,
+                  scale: float | None = None, seq_len: int | None = None, **unused):
+        """kernels.attention over sequence-sharded q (B, Hq, L_local, D), k/v (B, Hkv, L_local, D).
+        Returns out (B, Hq, L_local, D), or (out, lse) with lse (B, Hq, L_local) fp32 (not
+        differentiable under ring/hybrid). Padded query rows give zeros."""
+        if attn_mask is not None:
+            raise ValueError(f"{self._describe()}: attn_mask is not supported under context parallelism "
+                             "(the mask would have to be sharded like the keys); use causal= or no mask")
+        if self.size == 1:
+            return _kernel_attention(q, k, v, causal=causal, return_lse=return_lse, scale=scale)
+        hq, hkv, d = q.shape[1], k.shape[1], q.shape[-1]
+        seq_len = self._seq_len(q.shape[2], seq_len)
+        self.validate(hq, hkv, seq_len)
+        scale = d ** -0.5 if scale is None else scale
+        if self.mode == "ulysses":
+            out, lse = self._ulysses(q, k, v, causal, scale, seq_len, return_lse)
+        else:
+            if self._ulysses_group is not None:
+                q, k, v = self._to_heads(q, k, v)
+            out, lse = _RingAttention.apply(q, k, v, self._ring(q.shape[2] // self.ulysses_degree, seq_len,
+                                                                causal, scale))
+            if self._ulysses_group is not None:
+                out = _AllToAll.apply(out, self._ulysses_group, 2, 1)
+                if return_lse:
+                    lse = _all_to_all(lse.unsqueeze(-1).contiguous(), self._ulysses_group, 2, 1).squeeze(-1)
+        return (out, lse.float()) if return_lse else out
+
+    def _to_heads(self, q, k, v):
+        """Ulysses all-to-all: (all heads, local tokens) -> (heads/U, the U shards' tokens). kv heads
+        that do not divide by U are replicated up to lcm(Hkv, U), which keeps query head h reading
+        kv head h // (Hq/Hkv); autograd sums the replicas' gradients."""
+        u, hkv = self.ulysses_degree, k.shape[1]
+        if hkv % u:
+            r = u // math.gcd(hkv, u)
+            k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
+        g = self._ulysses_group
+        return (_AllToAll.apply(q.contiguous(), g, 1, 2), _AllToAll.apply(k.contiguous(), g, 1, 2),
+                _AllToAll.apply(v.contiguous(), g, 1, 2))
+
+    def _ulysses(self, q, k, v, causal, scale, seq_len, return_lse):
+        q, k, v = self._to_heads(q, k, v)
+        lp = q.shape[2]
+        keep = self._ulysses_keep(lp, seq_len, causal, q.device)
+        if keep is not None:
+            q, k, v = (t.index_select(2, keep) for t in (q, k, v))
+        res = _kernel_attention(q, k, v, causal=causal, return_lse=return_lse, scale=scale)
+        out, lse = res if return_lse else (res, None)
+        if keep is not None:  # back to the gathered order; padded query rows get out 0, lse -inf
+            shape = out.shape[:2] + (lp,) + out.shape[3:]
+            out = out.new_zeros(shape).index_copy(2, keep, out)
+            if lse is not None:
+                lse = lse.new_full(shape[:3], -math.inf).index_copy(2, keep, lse)
+        out = _AllToAll.apply(out, self._ulysses_group, 2, 1)
+        if lse is not None:
+            lse = _AllToAll.apply(lse.unsqueeze(-1).contiguous(), self._ulysses_group, 2, 1).squeeze(-1)
+        return out, lse
+
+    def _ulysses_keep(self, lp: int, seq_len: int, causal: bool, device):
+        """Rows of the gathered sequence (the ranks' shards, one after another) the local kernel
+        sees, in natural order with the padding dropped; None when they can be used as they are."""
+        if lp == seq_len and (self.layout == "contiguous" or not causal):
+            return None  # already natural, or order irrelevant without causality; nothing padded
+        key = (lp, seq_len, str(device))
+        if key not in self._rings:
+            c = lp // self.num_chunks
+            pos = torch.cat([torch.arange(i * c, (i + 1) * c) for r in range(self.size)
+                             for i in self._chunk_ids(r)])
+            self._rings[key] = torch.argsort(pos)[:seq_len].to(device)
+        return self._rings[key]
+
+    def _ring(self, shard_len: int, seq_len: int, causal: bool, scale: float) -> _Ring:
+        """The ring for this geometry; participant j holds the U shards of CP ranks j*U + u."""
+        key = (shard_len, seq_len, causal, scale)
+        if key not in self._rings:
+            u = self.ulysses_degree
+            chunk = shard_len // len(self._chunk_ids(0))
+            segs = []
+            for j in range(self.ring_degree):
+                s = []
+                for i in range(u):
+                    s += [(i * shard_len + lo, g, n) for lo, g, n in self._segments(j * u + i, chunk)]
+                segs.append(_merge_adjacent(s))
+            self._rings[key] = _Ring(self._ring_group, segs, seq_len, causal, scale)
+        return self._rings[key]
