@@ -8,6 +8,11 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.distributed.tensor import DTensor
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class EMA:
@@ -26,7 +31,11 @@ class EMA:
     def update(self, step: int) -> None:
         d = self.effective_decay(step)
         names = list(self.params)
-        torch._foreach_lerp_([self.shadow[n] for n in names], [self.params[n].detach().float() for n in names], 1.0 - d)
+        # Elementwise, so each rank updates its local shard; local tensors also let one foreach
+        # call cover DTensors on different meshes and plain tensors together.
+        shadow = [_local(self.shadow[n]) for n in names]
+        live = [_local(self.params[n].detach()).float() for n in names]
+        torch._foreach_lerp_(shadow, live, 1.0 - d)
 
     @contextlib.contextmanager
     @torch.no_grad()

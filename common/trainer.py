@@ -20,6 +20,7 @@ import time
 from typing import Any, Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from common import dist as mdist
 from common.checkpoint import CheckpointManager
@@ -56,9 +57,12 @@ def build_optimizer(model: torch.nn.Module, optim_cfg) -> torch.optim.Optimizer:
         (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": optim_cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    # foreach=True keeps DTensor (FSDP) and plain tensors on the same, deterministic code path.
+    # The foreach (multi-tensor) path cannot mix DTensors and plain tensors in one call, which
+    # tensor parallelism without FSDP produces (sharded linears, replicated norms); such a model
+    # takes the per-parameter path. Under FSDP every parameter is a DTensor and foreach stays on.
+    kinds = {isinstance(p, DTensor) for g in groups for p in g["params"]}
     return torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2),
-                             eps=optim_cfg.eps, foreach=True)
+                             eps=optim_cfg.eps, foreach=len(kinds) < 2)
 
 
 class Trainer:
@@ -100,7 +104,11 @@ class Trainer:
         path = self.ckpt.resolve(self.cfg.run.resume)
         if path is None:
             return None
+        # param_groups options come back from the checkpoint; foreach belongs to this layout.
+        foreach = [g.get("foreach") for g in self.optimizer.param_groups]
         meta = self.ckpt.load(path, self.model, self.optimizer, self._tensor_state())
+        for group, value in zip(self.optimizer.param_groups, foreach):
+            group["foreach"] = value
         self.step = int(meta["step"])
         self.loader.load_state_dict(meta["loader"])
         self.skipped_steps = int(meta.get("skipped_steps", 0))

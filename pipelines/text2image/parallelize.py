@@ -130,7 +130,10 @@ def _pipeline(model: DiT, dims: ParallelDims, mesh, info: DistInfo, microbatches
 
 
 def _apply_tp(model: DiT, mesh, cfg):
-    raise NotImplementedError
+    """DTensor plans on every block; embeddings, t_block and the final layer stay replicated.
+    Returns the hook that sums the partial gradients of TP-replicated parameters each step."""
+    from common.parallel.tensor_parallel import apply_tensor_parallel
+    return apply_tensor_parallel(model, mesh["tp"], plan="dit", sequence_parallel=cfg.sequence_parallel)
 
 
 def _apply_cp(model: DiT, mesh, dims: ParallelDims) -> None:

@@ -1,0 +1,172 @@
+"""Llama-style decoder-only transformer (the language tower of the vision-language pipeline).
+
+    tokens -> embedding -> n x [x += Attn(RMSNorm(x)) (causal, GQA, 1-D RoPE);
+                                x += SwiGLU(RMSNorm(x))] -> RMSNorm -> output head -> logits
+
+Architecture only. Every projection is its own nn.Linear and head counts are inferred from
+tensor widths at run time, so a tensor-parallel shard of whole heads (common.parallel.
+tensor_parallel) runs this code unchanged; `attn_impl` is the context-parallel hook, as in
+common.nn.attention.SelfAttention.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from common.kernels import apply_rope, attention, rope_frequencies
+
+from .attention import _heads, _merge
+from .mlp import SwiGLU
+from .norm import RMSNorm
+
+
+@dataclass
+class LlamaConfig:
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int | None = None     # None = n_heads (plain multi-head attention)
+    vocab_size: int = 32000
+    ffn_hidden: int | None = None     # None = Llama rule below
+    multiple_of: int = 256            # Llama rule: round 2/3 * 4 * dim (* multiplier) up to this
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 2048
+    qk_norm: bool = False             # per-head RMSNorm on q and k (Qwen3 / OLMo-2 style)
+
+    def __post_init__(self):
+        kv = self.kv_heads
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim {self.dim} not divisible by n_heads {self.n_heads}")
+        if self.n_heads % kv:
+            raise ValueError(f"n_heads {self.n_heads} not a multiple of n_kv_heads {kv} (GQA groups)")
+        if self.head_dim % 2:
+            raise ValueError(f"head dim {self.head_dim} must be even for rotate-half RoPE")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        # 2/3 of a 4x MLP keeps SwiGLU's three matrices at the parameter count of two 4x ones.
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+
+class LlamaAttention(nn.Module):
+    """Causal grouped-query attention: Hq query heads share Hkv key/value heads (Hq % Hkv == 0)."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int | None = None, *, qk_norm: bool = False,
+                 eps: float = 1e-5):
+        super().__init__()
+        n_kv_heads = n_kv_heads or n_heads
+        if dim % n_heads or n_heads % n_kv_heads:
+            raise ValueError(f"need dim {dim} % n_heads {n_heads} == 0 and n_heads % n_kv_heads {n_kv_heads} == 0")
+        # Global counts (validation, FLOPs); forward derives the local counts from widths.
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
+        hd = self.head_dim
+        self.to_q = nn.Linear(dim, n_heads * hd, bias=False)
+        self.to_k = nn.Linear(dim, n_kv_heads * hd, bias=False)
+        self.to_v = nn.Linear(dim, n_kv_heads * hd, bias=False)
+        self.q_norm = RMSNorm(hd, eps) if qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(hd, eps) if qk_norm else nn.Identity()
+        self.proj = nn.Linear(n_heads * hd, dim, bias=False)
+        self.attn_impl = None  # context parallelism plugs in a kernels.attention-compatible callable
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, L, D); rope = (cos, sin) (L, head_dim); attn_mask optional, combined with causal
+        (e.g. block-diagonal for packed documents)."""
+        hd = self.head_dim
+        q, k, v = _heads(self.to_q(x), hd), _heads(self.to_k(x), hd), _heads(self.to_v(x), hd)
+        q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        attend = self.attn_impl or attention
+        # k/v keep Hkv heads: kernels.attention expands them to the query heads (GQA).
+        return self.proj(_merge(attend(q, k, v, causal=True, attn_mask=attn_mask)))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = LlamaAttention(cfg.dim, cfg.n_heads, cfg.kv_heads, qk_norm=cfg.qk_norm, eps=cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope, attn_mask)
+        return x + self.mlp(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.blocks = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # Unit-variance embeddings; N(0, 0.02) projections with the residual-branch outputs
+        # (attention proj, SwiGLU w2) scaled by 1/sqrt(2 * n_layers) so the residual stream's
+        # variance does not grow with depth (GPT-2 / Megatron); head std dim^-0.5 gives unit-scale
+        # logits from the unit-RMS normalised features. Truncation at 3 std avoids rare outliers.
+        cfg = self.cfg
+        nn.init.normal_(self.tok_embeddings.weight)
+        out_std = 0.02 / math.sqrt(2 * cfg.n_layers)
+        for block in self.blocks:
+            for lin in (block.attention.to_q, block.attention.to_k, block.attention.to_v, block.mlp.w1, block.mlp.w3):
+                nn.init.trunc_normal_(lin.weight, std=0.02, a=-0.06, b=0.06)
+            for lin in (block.attention.proj, block.mlp.w2):
+                nn.init.trunc_normal_(lin.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
+            for norm in block.modules():
+                if isinstance(norm, RMSNorm):
+                    nn.init.ones_(norm.weight)
+        nn.init.ones_(self.norm.weight)
+        std = cfg.dim ** -0.5
+        nn.init.trunc_normal_(self.output.weight, std=std, a=-3 * std, b=3 * std)
+
+    def rope(self, seq_len: int | None = None, positions: torch.Tensor | None = None,
+             device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) tables for positions (L,) (default 0..seq_len-1), each (L, head_dim)."""
+        if positions is None:
+            positions = torch.arange(seq_len, device=device)
+        return rope_frequencies(positions, (self.cfg.head_dim,), self.cfg.rope_theta)
+
+    def hidden_states(self, tokens: torch.Tensor | None = None, *, inputs_embeds: torch.Tensor | None = None,
+                      positions: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-normed features (B, L, dim) before the output head. Pass `tokens` (B, L) or
+        `inputs_embeds` (B, L, dim) (e.g. image features spliced between text embeddings)."""
+        if (tokens is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of tokens or inputs_embeds")
+        h = self.tok_embeddings(tokens) if inputs_embeds is None else inputs_embeds
+        seq_len = h.shape[1]
+        if seq_len > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {self.cfg.max_seq_len}")
+        rope = self.rope(seq_len, positions, h.device)
+        for block in self.blocks:
+            h = block(h, rope, attn_mask)
+        return self.norm(h)
+
+    def forward(self, tokens: torch.Tensor | None = None, *, inputs_embeds: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """-> logits (B, L, vocab_size)."""
+        return self.output(self.hidden_states(tokens, inputs_embeds=inputs_embeds, positions=positions,
+                                              attn_mask=attn_mask))
