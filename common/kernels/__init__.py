@@ -1,8 +1,12 @@
-"""Kernel dispatch: the only path from models to attention, norms and RoPE (see backend.py)."""
+"""Kernel dispatch: the only path from models to attention, norms, RoPE, SwiGLU and the LM-head
+cross-entropy (see backend.py for how a backend is chosen). Triton is imported lazily."""
 from .attention import attention, attention_reference
-from .backend import BACKENDS, resolve_backend, use_backend
+from .backend import AUTO_TRITON_OPS, BACKENDS, resolve_backend, use_backend
+from .cross_entropy import cross_entropy, cross_entropy_eager
 from .norm import layer_norm, modulate, norm_modulate, rms_norm
 from .rope import apply_rope, rope_frequencies
+from .swiglu import swiglu
 
-__all__ = ["attention", "attention_reference", "BACKENDS", "resolve_backend", "use_backend",
-           "layer_norm", "modulate", "norm_modulate", "rms_norm", "apply_rope", "rope_frequencies"]
+__all__ = ["attention", "attention_reference", "AUTO_TRITON_OPS", "BACKENDS", "resolve_backend", "use_backend",
+           "cross_entropy", "cross_entropy_eager", "layer_norm", "modulate", "norm_modulate", "rms_norm",
+           "apply_rope", "rope_frequencies", "swiglu"]

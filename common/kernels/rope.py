@@ -3,7 +3,8 @@
 Convention: rotate-half (GPT-NeoX / Llama-HF): channel i pairs with channel i + D/2. The head
 dim is split across axes: axis a owns dims_per_axis[a] channels, i.e. dims_per_axis[a] / 2
 frequency pairs, laid out axis after axis in the first half and repeated in the second half.
-Tables are fp32 (angles for large positions lose precision in bf16).
+Tables are fp32 (angles for large positions lose precision in bf16). The "triton" backend
+(common/kernels/triton/rope.py) rotates in one pass reading x through its strides.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from .backend import resolve_backend
+from .backend import dispatch_device, resolve_backend, unserved
 
 
 def rope_frequencies(positions: torch.Tensor, dims_per_axis: Sequence[int], theta: float = 10000.0):
@@ -39,9 +40,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor,
                *, backend: str | None = None) -> torch.Tensor:
     """x (B, H, L, D); freqs (L, D) or broadcastable. Computed in fp32, cast back."""
-    resolve_backend(backend)
+    impl = resolve_backend(backend, op="rope", device=dispatch_device(x, freqs_cos, freqs_sin))
     if freqs_cos.shape[-1] != x.shape[-1]:
         raise ValueError(f"rope table dim {freqs_cos.shape[-1]} != head dim {x.shape[-1]}")
+    if impl == "triton":
+        from .triton import rope as triton_rope  # lazy: triton is imported only when used
+        if triton_rope.supports(x, freqs_cos, freqs_sin):
+            return triton_rope.apply_rope(x, freqs_cos, freqs_sin)
+        unserved("apply_rope", backend, triton_rope.SUPPORTED)
     xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
     c, s = freqs_cos.to(xf.dtype), freqs_sin.to(xf.dtype)
     return (xf * c + _rotate_half(xf) * s).to(x.dtype)
