@@ -45,6 +45,11 @@ LAYOUTS = {
     "fsdp2xtp2": (4, ["data.micro_batch_size=4", "parallel.dp_shard=2", "parallel.tp=2"]),
     "fsdp2xcp2": (4, ["data.micro_batch_size=4", "parallel.dp_shard=2", "parallel.cp=2", "parallel.cp_mode=ring"]),
     "tp2xpp2": (4, ["data.micro_batch_size=4", "train.grad_accum=2", "parallel.tp=2", "parallel.pp=2"]),
+    # Activation checkpointing and compile change how a step is computed, never what.
+    "fsdp-ac-full": (2, ["data.micro_batch_size=4", "parallel.dp_mode=fsdp", "parallel.activation_checkpoint=full"]),
+    "tp2-sp-ac-selective": (2, ["data.micro_batch_size=8", "parallel.tp=2", "parallel.activation_checkpoint=selective"]),
+    "cp2-ulysses-ac-offload": (2, ["data.micro_batch_size=8", "parallel.cp=2", "parallel.activation_checkpoint=offload"]),
+    "fsdp-compile": (2, ["data.micro_batch_size=4", "parallel.dp_mode=fsdp", "parallel.compile=true"]),
 }
 
 

@@ -85,6 +85,7 @@ class CrossAttention(nn.Module):
             any_valid = context_mask.any(-1)  # (B,)
             mask = (context_mask | ~any_valid[:, None])[:, None, None, :]  # (B, 1, 1, Lk)
         out = _merge(attention(q, k, v, attn_mask=mask))
-        if any_valid is not None and not bool(any_valid.all()):
+        if any_valid is not None:
+            # Unconditional (no branch on a tensor's value): keeps the block one compiled graph.
             out = out * any_valid[:, None, None].to(out.dtype)
         return self.proj(out)
