@@ -1,9 +1,12 @@
 """Convert raw media plus captions into WebDataset shards.
 
-    python -m data.make_shards images --input PATH --out DIR [--size 256] [--crop center]
+    python -m data.make_shards images        --input PATH --out DIR [--size 256] [--crop center]
+    python -m data.make_shards videos        --input PATH --out DIR [--fps 8 --frames 16 --size 256]
+    python -m data.make_shards meshes        --input PATH --out DIR [--points 4096]
+    python -m data.make_shards conversations --input FILE.jsonl --out DIR [--size 256]
 
-One subcommand per media kind (`images` today; video and mesh sources plug in as further
-subcommands reusing `convert`). Every input is accounted for: it is either written or skipped
+One subcommand per media kind, all sharing `convert` (resumable; see its docstring). Sample
+formats: images here; videos, meshes and conversations in the docstrings of data/sources/. Every input is accounted for: it is either written or skipped
 with a reason in the report (JSONL), and the last line reads `read = N, written = W, skipped = S`
 with read == written + skipped.
 """
@@ -11,140 +14,29 @@ with read == written + skipped.
 from __future__ import annotations
 
 import argparse
-import csv
+import hashlib
 import io
 import json
 import multiprocessing as mp
 import os
 import re
+import signal
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 
 import webdataset as wds
 from PIL import Image, ImageOps
 from tqdm import tqdm
 
+from data.sources.common import InputError, Item, media_items  # noqa: F401 (re-exported)
+
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
-PATH_COLUMNS = ("path", "file_name", "image")
-CAPTION_COLUMNS = ("caption", "text")
-
-
-class InputError(Exception):
-    """The input as a whole is unusable (missing path, manifest without the needed columns)."""
-
-
-@dataclass
-class Item:
-    """One input before decoding. `error` set means it is already known to be bad."""
-
-    index: int
-    source: str  # path, or "manifest:line" when there is no usable path
-    caption: str | None = None
-    data: bytes | None = None  # inline image bytes (parquet manifests of HF datasets)
-    error: str | None = None
-    extra: dict = field(default_factory=dict)
-
-
-# ---------------------------------------------------------------------------------------- inputs
-def _clean_caption(v) -> str | None:
-    if v is None or (isinstance(v, float) and v != v):  # None / NaN from pandas-style files
-        return None
-    v = str(v).strip()
-    return v or None
-
-
-def _folder_items(root: str) -> Iterator[Item]:
-    """Images with same-stem .txt sidecars; orphan .txt files are inputs too (reported)."""
-    files = []
-    for dirpath, dirnames, names in os.walk(root):
-        dirnames.sort()
-        files.extend(os.path.join(dirpath, n) for n in sorted(names))
-    images = [f for f in files if f.lower().endswith(IMAGE_EXTS)]
-    stems = {os.path.splitext(f)[0] for f in images}
-    orphans = [f for f in files if f.endswith(".txt") and os.path.splitext(f)[0] not in stems]
-    for i, f in enumerate(images):
-        txt = os.path.splitext(f)[0] + ".txt"
-        cap = None
-        if os.path.isfile(txt):
-            with open(txt, encoding="utf-8", errors="replace") as fh:
-                cap = _clean_caption(fh.read())
-        yield Item(i, f, cap, error=None if cap else "missing caption")
-    for j, f in enumerate(orphans):
-        yield Item(len(images) + j, f, error="caption without image")
-
-
-def _row_item(index: int, row: dict, base: str, where: str) -> Item:
-    path_key = next((k for k in PATH_COLUMNS if row.get(k) not in (None, "")), None)
-    cap_key = next((k for k in CAPTION_COLUMNS if k in row), None)
-    cap = _clean_caption(row.get(cap_key)) if cap_key else None
-    if path_key is None:
-        return Item(index, where, cap, error="malformed manifest row: no image path")
-    value = row[path_key]
-    data = None
-    if isinstance(value, dict):  # Hugging Face `Image` feature: {"bytes": ..., "path": ...}
-        data, value = value.get("bytes"), value.get("path") or where
-    source = os.path.join(base, str(value)) if data is None else str(value)
-    if cap is None:
-        return Item(index, source, error="missing caption")
-    return Item(index, source, cap, data=data)
-
-
-def _jsonl_items(path: str) -> Iterator[Item]:
-    base = os.path.dirname(path)
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for i, line in enumerate(f):
-            where = f"{path}:{i + 1}"
-            if not line.strip():
-                continue  # blank lines are formatting, not inputs
-            try:
-                row = json.loads(line)
-                if not isinstance(row, dict):
-                    raise ValueError("not an object")
-            except ValueError as e:
-                yield Item(i, where, error=f"malformed manifest row: {e}")
-                continue
-            yield _row_item(i, row, base, where)
-
-
-def _table_items(path: str) -> Iterator[Item]:
-    base = os.path.dirname(path)
-    if path.lower().endswith(".parquet"):
-        import pyarrow.parquet as pq  # only parquet inputs pay the import
-
-        rows = pq.read_table(path).to_pylist()
-        header = rows[0].keys() if rows else pq.read_schema(path).names
-    else:
-        with open(path, newline="", encoding="utf-8", errors="replace") as f:
-            reader = csv.DictReader(f)
-            header = reader.fieldnames or []
-            rows = list(reader)
-    # A manifest without the columns is a usage error, not N bad rows.
-    if not any(c in header for c in PATH_COLUMNS) or not any(c in header for c in CAPTION_COLUMNS):
-        raise InputError(
-            f"manifest {path} needs a path column ({'/'.join(PATH_COLUMNS)}) and a caption "
-            f"column ({'/'.join(CAPTION_COLUMNS)}); it has {list(header)}"
-        )
-    for i, row in enumerate(rows):
-        if None in row:  # csv.DictReader puts surplus fields under the key None
-            yield Item(i, f"{path}:{i + 2}", error="malformed manifest row: too many fields")
-            continue
-        yield _row_item(i, row, base, f"{path}:{i + 2}")
 
 
 def image_items(path: str) -> Iterator[Item]:
-    """Pick the input form: metadata.jsonl folder, sidecar folder, or .csv/.parquet/.jsonl file."""
-    if not os.path.exists(path):
-        raise InputError(f"input path {path} does not exist")
-    if os.path.isdir(path):
-        meta = os.path.join(path, "metadata.jsonl")
-        return _jsonl_items(meta) if os.path.isfile(meta) else _folder_items(path)
-    low = path.lower()
-    if low.endswith((".csv", ".parquet")):
-        return _table_items(path)
-    if low.endswith(".jsonl"):
-        return _jsonl_items(path)
-    raise InputError(f"input {path} is neither a folder nor a .csv/.parquet/.jsonl manifest")
+    """Images: metadata.jsonl folder, sidecar folder, or .csv/.parquet/.jsonl manifest."""
+    return media_items(path, IMAGE_EXTS, "image")
 
 
 # ------------------------------------------------------------------------------- image transform
@@ -219,56 +111,167 @@ def process_image(item: Item, opts: ImageOpts) -> tuple[Item, dict | None]:
 
 
 # ----------------------------------------------------------------------------------- conversion
+SHARD_PATTERN = "shard-%06d.tar"
+_OURS = re.compile(r"shard-\d{6}\.tar(\.json)?(\.tmp)?")
+KILL_ENV = "MAKE_SHARDS_TEST_KILL_AFTER_SHARDS"  # test hook: SIGKILL self once N shards are final
+
+
+def _fingerprint(config: dict, items: list[Item], shard_size: int) -> str:
+    """Identity of a conversion: options, shard size and the enumerated inputs, in order."""
+    h = hashlib.sha256()
+    h.update(json.dumps({"config": config, "shard_size": shard_size}, sort_keys=True, default=str).encode())
+    for it in items:
+        h.update(f"\n{it.index}\t{it.source}\t{len(it.data) if it.data is not None else -1}".encode())
+    return h.hexdigest()[:32]
+
+
+def _finished_prefix(out: str, fp: str) -> list[dict]:
+    """Sidecars of the shards 0..k-1 a run with the same fingerprint finished (chained by position)."""
+    done, pos = [], [0, 0]
+    while True:
+        tar = os.path.join(out, SHARD_PATTERN % len(done))
+        try:
+            with open(tar + ".json") as f:
+                meta = json.load(f)
+        except (OSError, ValueError):
+            break
+        if not os.path.isfile(tar) or meta.get("fingerprint") != fp or meta.get("start") != pos:
+            break
+        done.append(meta)
+        pos = meta["end"]
+    return done
+
+
+def _write_json_atomic(path: str, obj) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, sort_keys=True)
+    os.replace(path + ".tmp", path)
+
+
 def convert(
     items: Iterator[Item],
-    work: Callable[[Item], tuple[Item, dict | None]],
+    work: Callable[[Item], tuple[Item, dict | list[dict] | None]],
     out: str,
     shard_size: int = 1000,
     workers: int = 1,
     report: str | None = None,
     progress: bool = True,
+    config: dict | None = None,
+    unit: str = "input",
 ) -> dict:
     """Run `work` over `items` (in a pool when workers > 1, order kept) and write shards to `out`.
 
-    Media-agnostic: a video or mesh subcommand only supplies its own items and `work`.
-    Returns {"read", "written", "skipped", "shards", "report"}.
+    Media-agnostic: a subcommand supplies its items, its `work` (one input -> one sample, a list of
+    samples, or None with `item.error` set) and its options as `config`.
+
+    Resumable: inputs are enumerated in a fixed order and processed deterministically, so the
+    stream of samples, and the cut into shards of `shard_size` samples, is the same on every run.
+    Shard k is written to shard-k.tar.tmp; when full, its sidecar shard-k.tar.json (fingerprint,
+    the stream positions [input, sample offset] where it starts and ends, per-shard read / written
+    / skipped counts and skip reasons) is written, then the .tar.tmp is renamed to .tar. A re-run
+    with the same inputs and options keeps the finished prefix of shards, restarts the stream
+    where the last one ended, and so never writes a sample twice; other files with our naming
+    (partial .tmp, shards of a different run) are removed. Counts of kept shards come from their
+    sidecars, so the summary still covers every input: read == written + skipped.
+
+    Returns {"read", "written", "skipped", "samples", "shards", "resumed_shards", "report"}.
     """
     os.makedirs(out, exist_ok=True)
     report = report or os.path.join(out, "report.jsonl")
-    # Shards of an earlier, larger run would silently join this dataset (loaders read every *.tar
-    # in the folder); only files with our exact naming are removed.
-    stale = [f for f in os.listdir(out) if re.fullmatch(r"shard-\d{6}\.tar", f)]
+    items = list(items)  # known total for the progress bar; manifests hold paths, not pixels
+    fp = _fingerprint(config or {}, items, shard_size)
+    done = _finished_prefix(out, fp)
+    keep = {SHARD_PATTERN % k + sfx for k in range(len(done)) for sfx in ("", ".json")}
+    stale = sorted(f for f in os.listdir(out) if _OURS.fullmatch(f) and f not in keep)
     for f in stale:
         os.remove(os.path.join(out, f))
-    if stale:
-        print(f"note: removed {len(stale)} shard(s) of an earlier run in {out}", file=sys.stderr)
-    items = list(items)  # known total for the progress bar; manifests hold paths, not pixels
-    read = written = skipped = 0
-    writer = None  # opened on the first good sample so an all-bad run leaves no empty shard
-    pool = mp.Pool(workers) if workers > 1 and len(items) > 1 else None
+    n_stale = sum(f.endswith(".tar") for f in stale)
+    if n_stale:  # loaders read every *.tar in the folder: an older run's shards must not join
+        print(f"note: removed {n_stale} shard(s) of an earlier run in {out}", file=sys.stderr)
+    start = done[-1]["end"] if done else [0, 0]
+    if done:
+        print(f"note: resuming: kept {len(done)} finished shard(s), restarting at input {start[0]} "
+              f"of {len(items)}", file=sys.stderr)  # fmt: skip
+    tot = {k: sum(d[k] for d in done) for k in ("read", "written", "skipped", "samples")}
+    kill_after = int(os.environ.get(KILL_ENV, "0") or 0)
+
+    shard = len(done)
+    prev_end = list(start)  # a shard starts where the previous one ended (chain checked on resume)
+    cur = None  # the open shard: writer, start position, counts, skip records
+
+    def new_shard(pos):
+        path = os.path.join(out, SHARD_PATTERN % shard) + ".tmp"
+        w = wds.TarWriter(path, mtime=0.0, user="wds", group="wds")  # fixed header: reproducible bytes
+        return {"writer": w, "start": list(pos), "read": 0, "written": 0, "skipped": 0, "samples": 0, "skips": []}
+
+    def finish_shard(end):
+        nonlocal cur, shard, prev_end
+        cur["writer"].close()
+        tar = os.path.join(out, SHARD_PATTERN % shard)
+        side = {k: cur[k] for k in ("start", "read", "written", "skipped", "samples")}
+        side.update(fingerprint=fp, shard=shard, end=list(end), skips=cur["skips"])
+        _write_json_atomic(tar + ".json", side)  # sidecar first: a .tar without one is not trusted
+        os.replace(tar + ".tmp", tar)
+        shard += 1
+        prev_end = list(end)
+        cur = None
+
+    todo = items[start[0]:]
+    pool = mp.Pool(workers) if workers > 1 and len(todo) > 1 else None
+    run_shards = 0
     try:
-        results = pool.imap(work, items, chunksize=8) if pool else map(work, items)
+        results = pool.imap(work, todo, chunksize=4) if pool else map(work, todo)
         with open(report, "w") as rep:
-            for item, sample in tqdm(results, total=len(items), unit="img", disable=not progress):
-                read += 1
-                if sample is None:
-                    skipped += 1
-                    rep.write(json.dumps({"index": item.index, "source": item.source, "reason": item.error}) + "\n")
+            for d in done:
+                for s in d["skips"]:
+                    rep.write(json.dumps(s) + "\n")
+            pending = {"read": 0, "written": 0, "skipped": 0, "skips": []}  # inputs not yet in a shard
+            for p, (item, res) in enumerate(tqdm(results, total=len(todo), unit=unit, disable=not progress),
+                                            start=start[0]):  # fmt: skip
+                samples = [res] if isinstance(res, dict) else list(res or [])
+                if not samples:
+                    rec = {"index": item.index, "source": item.source, "reason": item.error or "no samples"}
+                    rep.write(json.dumps(rec) + "\n")
+                    rep.flush()
+                    tgt = cur if cur is not None else pending
+                    tgt["read"] += 1
+                    tgt["skipped"] += 1
+                    tgt["skips"].append(rec)
                     continue
-                if writer is None:
-                    writer = wds.ShardWriter(os.path.join(out, "shard-%06d.tar"), maxcount=shard_size,
-                                             verbose=0, mtime=0.0)  # fmt: skip
-                writer.write(sample)
-                written += 1
+                offset = start[1] if p == start[0] else 0  # samples of this input already in a kept shard
+                for j in range(offset, len(samples)):
+                    if cur is None:
+                        cur = new_shard(prev_end)
+                        for k in ("read", "written", "skipped", "skips"):
+                            cur[k] += pending[k]
+                        pending = {"read": 0, "written": 0, "skipped": 0, "skips": []}
+                    cur["writer"].write(samples[j])
+                    cur["samples"] += 1
+                    tot["samples"] += 1
+                    last = j == len(samples) - 1
+                    if last:
+                        cur["read"] += 1
+                        cur["written"] += 1
+                    if cur["samples"] >= shard_size:
+                        finish_shard([p + 1, 0] if last else [p, j + 1])
+                        run_shards += 1
+                    if kill_after and run_shards >= kill_after:
+                        os.kill(os.getpid(), signal.SIGKILL)
+            if cur is not None:
+                finish_shard([len(items), 0])
+            run_pending = pending
     finally:
         if pool:  # terminate, not close: on Ctrl-C or an error the queued work is not wanted
             pool.terminate()
             pool.join()
-        if writer is not None:
-            writer.close()
-    shards = (written + shard_size - 1) // shard_size
-    return {"read": read, "written": written, "skipped": skipped, "shards": shards, "report": report}
-
+        if cur is not None:  # interrupted: the partial shard stays .tmp and is redone on re-run
+            cur["writer"].close()
+    for d in _finished_prefix(out, fp)[len(done):]:
+        for k in ("read", "written", "skipped"):
+            tot[k] += d[k]
+    for k in ("read", "written", "skipped"):
+        tot[k] += run_pending[k]
+    return {**tot, "shards": shard, "resumed_shards": len(done), "report": report}
 
 class _ImageWork:
     """Picklable callable binding the options, for Pool.imap."""
@@ -282,18 +285,78 @@ class _ImageWork:
 
 def images_main(a: argparse.Namespace) -> dict:
     opts = ImageOpts(size=a.size, crop=a.crop, fmt=a.format, quality=a.quality, min_size=a.min_size)
-    return convert(image_items(a.input), _ImageWork(opts), a.out, a.shard_size, a.workers,
-                   a.report, progress=not a.no_progress)  # fmt: skip
+    return convert(image_items(a.input), _ImageWork(opts), a.out, a.shard_size, a.workers, a.report,
+                   progress=not a.no_progress, config={"kind": "images", **asdict(opts)}, unit="img")  # fmt: skip
+
+
+def videos_main(a: argparse.Namespace) -> dict:
+    from data.sources.video import VIDEO_EXTS, VideoOpts, VideoWork
+
+    opts = VideoOpts(fps=a.fps, frames=a.frames, size=a.size, crop=a.crop, clips_per_video=a.clips_per_video,
+                     stride=a.stride, crf=a.crf)  # fmt: skip
+    return convert(media_items(a.input, VIDEO_EXTS, "video"), VideoWork(opts), a.out, a.shard_size, a.workers,
+                   a.report, progress=not a.no_progress, config={"kind": "videos", **asdict(opts)},
+                   unit="video")  # fmt: skip
+
+
+def meshes_main(a: argparse.Namespace) -> dict:
+    from data.sources.mesh import MESH_EXTS, MeshOpts, MeshWork
+
+    opts = MeshOpts(points=a.points, default_color=tuple(a.default_color))
+    return convert(media_items(a.input, MESH_EXTS, "mesh"), MeshWork(opts), a.out, a.shard_size, a.workers,
+                   a.report, progress=not a.no_progress, config={"kind": "meshes", **asdict(opts)},
+                   unit="mesh")  # fmt: skip
+
+
+def conversations_main(a: argparse.Namespace) -> dict:
+    from data.sources.conversation import ConversationWork, conversation_items
+
+    opts = ImageOpts(size=a.size, crop=a.crop, fmt=a.format, quality=a.quality, min_size=a.min_size)
+    return convert(conversation_items(a.input), ConversationWork(opts), a.out, a.shard_size, a.workers,
+                   a.report, progress=not a.no_progress, config={"kind": "conversations", **asdict(opts)},
+                   unit="conv")  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------- CLI
+def _common_args(p: argparse.ArgumentParser, input_help: str) -> None:
+    p.add_argument("--input", required=True, help=input_help)
+    p.add_argument("--out", required=True, help="output folder for shard-%%06d.tar and the report")
+    p.add_argument("--shard-size", type=int, default=1000, help="samples per shard (default 1000)")
+    p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 1) - 1),
+                   help="decode processes; 1 runs in-process (default: CPUs - 1)")
+    p.add_argument("--report", default=None, help="JSONL of skipped inputs (default OUT/report.jsonl)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _image_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--size", type=int, default=256,
+                   help="resize so the shorter side is SIZE px (upscales small images; 0 keeps the "
+                   "original size) (default 256)")  # fmt: skip
+    p.add_argument("--crop", choices=("center", "none"), default="center",
+                   help="center: centre-crop to SIZE x SIZE; none: keep the aspect ratio (default center)")
+    p.add_argument("--format", choices=("jpg", "png"), default="jpg",
+                   help="re-encoding: jpg (quality --quality, 4:4:4 chroma) or lossless png (default jpg)")
+    p.add_argument("--quality", type=int, default=95, help="JPEG quality (default 95)")
+    p.add_argument("--min-size", type=int, default=0,
+                   help="skip images whose shorter side is below this many px (default 0: keep all)")
+
+
+RESUME_NOTE = (" Resumable: re-running the same command after an interruption keeps the finished "
+               "shards (shard-N.tar + shard-N.tar.json) and writes only the rest.")
+MANIFEST_NOTE = ("Input forms: a folder of files with same-stem .txt captions; a folder holding "
+                 "metadata.jsonl; or a .csv/.parquet/.jsonl manifest with a path column "
+                 "(path/file_name/image) and a caption column (caption/text), paths relative to the "
+                 "manifest's folder.")
+
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m data.make_shards",
         description="Convert raw media + captions into WebDataset shards (shard-%06d.tar). "
         "Bad inputs are skipped and listed with their reason in a JSONL report.",
     )
-    sub = p.add_subparsers(dest="kind", required=True, metavar="{images}")
+    sub = p.add_subparsers(dest="kind", required=True, metavar="{images,videos,meshes,conversations}")
     im = sub.add_parser(
         "images",
         help="images with captions",
@@ -301,34 +364,59 @@ def _parser() -> argparse.ArgumentParser:
         "holding metadata.jsonl with file_name and text (Hugging Face ImageFolder); (c) a .csv, "
         ".parquet or .jsonl manifest with a path column (path/file_name/image) and a caption "
         "column (caption/text), paths relative to the manifest's folder. Each sample gets "
-        "__key__, jpg (or png), txt and json (source, original_size, size).",
+        "__key__, jpg (or png), txt and json (source, original_size, size)." + RESUME_NOTE,
     )
-    im.add_argument("--input", required=True, help="folder or manifest file (see above)")
-    im.add_argument("--out", required=True, help="output folder for shard-%%06d.tar and the report")
-    im.add_argument("--size", type=int, default=256,
-                    help="resize so the shorter side is SIZE px (upscales small images; 0 keeps the "
-                    "original size) (default 256)")  # fmt: skip
-    im.add_argument("--crop", choices=("center", "none"), default="center",
-                    help="center: centre-crop to SIZE x SIZE; none: keep the aspect ratio (default center)")
-    im.add_argument("--format", choices=("jpg", "png"), default="jpg",
-                    help="re-encoding: jpg (quality --quality, 4:4:4 chroma) or lossless png (default jpg)")
-    im.add_argument("--quality", type=int, default=95, help="JPEG quality (default 95)")
-    im.add_argument("--min-size", type=int, default=0,
-                    help="skip images whose shorter side is below this many px (default 0: keep all)")
-    im.add_argument("--shard-size", type=int, default=1000, help="samples per shard (default 1000)")
-    im.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 1) - 1),
-                    help="decode/resize processes; 1 runs in-process (default: CPUs - 1)")
-    im.add_argument("--report", default=None, help="JSONL of skipped inputs (default OUT/report.jsonl)")
-    im.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _common_args(im, "folder or manifest file (see above)")
+    _image_args(im)
     im.set_defaults(run=images_main)
+
+    vd = sub.add_parser("videos", help="video clips with captions (PyAV)",
+                        description=MANIFEST_NOTE + " Manifest rows may add start/end (seconds) to cut "
+                        "clips from that span only. Each clip sample gets __key__, mp4 (H.264), txt "
+                        "and json (frames, fps, height, width, duration, source, start); videos "
+                        "yielding no full clip are skipped as too short." + RESUME_NOTE)  # fmt: skip
+    _common_args(vd, "folder or manifest file (see above)")
+    vd.add_argument("--fps", type=float, default=8.0, help="resample clips to this frame rate (default 8)")
+    vd.add_argument("--frames", type=int, default=16, help="frames per clip (default 16)")
+    vd.add_argument("--size", type=int, default=256,
+                    help="shorter side in px, 0 keeps the original (default 256)")
+    vd.add_argument("--crop", choices=("center", "none"), default="center",
+                    help="center: centre-crop to SIZE x SIZE; none: keep the aspect ratio")
+    vd.add_argument("--clips-per-video", type=int, default=1,
+                    help="at most this many clips per video, 0 for all (default 1)")
+    vd.add_argument("--stride", type=float, default=0.0,
+                    help="seconds between clip starts; 0: back-to-back clips (default 0)")
+    vd.add_argument("--crf", type=int, default=23, help="libx264 constant rate factor (default 23)")
+    vd.set_defaults(run=videos_main)
+
+    ms = sub.add_parser("meshes", help="meshes to coloured point clouds (trimesh)",
+                        description=MANIFEST_NOTE + " Mesh files: .obj .ply .glb .gltf .stl .off. Each "
+                        "sample gets __key__, npy (N, 6) float16 xyz+rgb with xyz in the unit cube "
+                        "[-0.5, 0.5]^3, txt and json (vertices, faces, bounds, center, scale, "
+                        "source). No rendered views." + RESUME_NOTE)  # fmt: skip
+    _common_args(ms, "folder or manifest file (see above)")
+    ms.add_argument("--points", type=int, default=4096, help="points sampled per mesh (default 4096)")
+    ms.add_argument("--default-color", type=float, nargs=3, default=[0.7, 0.7, 0.7], metavar=("R", "G", "B"),
+                    help="rgb in [0, 1] for meshes without colours (default 0.7 0.7 0.7)")
+    ms.set_defaults(run=meshes_main)
+
+    cv = sub.add_parser("conversations", help="image conversations (VLM instruction data)",
+                        description="Input: a .jsonl with per row an image path (image/images, str or "
+                        "list, relative to the file's folder) and conversations/turns: "
+                        "[{from/role: human/user/gpt/assistant/system, value/content: str}]. Each "
+                        "sample gets __key__, jpg (0.jpg, 1.jpg, ... for several images) and json "
+                        "(turns as role/content, images, sizes, source)." + RESUME_NOTE)  # fmt: skip
+    _common_args(cv, "conversation .jsonl file")
+    _image_args(cv)
+    cv.set_defaults(run=conversations_main)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
-    for name in ("size", "shard_size", "workers", "quality"):
+    for name in ("size", "shard_size", "workers", "quality", "frames", "fps", "points", "clips_per_video"):
         v = getattr(a, name, None)
-        if v is not None and v < (0 if name == "size" else 1):
+        if v is not None and (v < 0 if name in ("size", "clips_per_video") else v <= 0):
             print(f"error: --{name.replace('_', '-')} must be positive, got {v}", file=sys.stderr)
             return 2
     try:
@@ -336,7 +424,8 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"read = {r['read']}, written = {r['written']}, skipped = {r['skipped']}")
+    extra = f", samples = {r['samples']}" if r["samples"] != r["written"] else ""
+    print(f"read = {r['read']}, written = {r['written']}, skipped = {r['skipped']}{extra}")
     if r["read"] == 0:
         print(f"error: no inputs found in {a.input}", file=sys.stderr)
         return 1

@@ -241,3 +241,80 @@ def test_cli_subprocess(folder, tmp_path):
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().splitlines() == [f"error: input path {tmp_path / 'missing'} does not exist"]
+
+
+# ------------------------------------------------------------------------------------ resumability
+def _tar_bytes(out):
+    return {os.path.basename(p): open(p, "rb").read() for p in sorted(glob.glob(os.path.join(out, "*.tar")))}
+
+
+def test_resume_after_kill_matches_uninterrupted_run(folder, tmp_path, capsys):
+    for i in range(6):  # more good inputs, so that several shards exist
+        _img(folder / f"extra{i}.png", 20 + i, 30).with_suffix(".txt").write_text(f"extra {i}")
+    args = ["images", "--input", str(folder), "--size", "16", "--shard-size", "2", "--no-progress"]
+    ref = tmp_path / "ref"
+    assert make_shards.main([*args, "--out", str(ref), "--workers", "1"]) == 0
+    ref_summary = _summary(capsys.readouterr().out)
+    assert ref_summary == {"read": 16, "written": 11, "skipped": 5}
+
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": ROOT, make_shards.KILL_ENV: "2"}
+    r = subprocess.run([sys.executable, "-m", "data.make_shards", *args, "--out", str(out), "--workers", "1"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == -9, r.stderr  # SIGKILLed right after its second shard was final
+    assert sorted(os.listdir(out)) == ["report.jsonl", "shard-000000.tar", "shard-000000.tar.json",
+                                       "shard-000001.tar", "shard-000001.tar.json"]  # fmt: skip
+    first = _tar_bytes(out)
+    assert make_shards.main([*args, "--out", str(out), "--workers", "2"]) == 0
+    stdout, err = capsys.readouterr()
+    assert "resuming: kept 2 finished shard(s)" in err
+    assert _summary(stdout) == ref_summary
+    got = _tar_bytes(out)
+    assert {k: got[k] for k in first} == first  # finished shards were not rewritten
+    assert got == _tar_bytes(ref)  # byte-identical to the uninterrupted run
+    samples = _samples(out)
+    keys = [x["__key__"] for x in samples]
+    assert len(keys) == len(set(keys)) == 11
+    assert sorted(r["source"] for r in _report(out / "report.jsonl")) == \
+        sorted(r["source"] for r in _report(ref / "report.jsonl"))  # fmt: skip
+    assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
+
+    # A finished run re-run as is writes nothing new; other options start over.
+    assert make_shards.main([*args, "--out", str(out), "--workers", "1"]) == 0
+    stdout, err = capsys.readouterr()
+    assert "kept 6 finished shard(s)" in err and _summary(stdout) == ref_summary and _tar_bytes(out) == got
+    assert make_shards.main([*args[:-3], "--shard-size", "3", "--no-progress", "--out", str(out)]) == 0
+    assert "removed 6 shard(s)" in capsys.readouterr().err
+    assert len(_samples(out)) == 11 and len(glob.glob(str(out / "*.tar"))) == 4
+
+
+class _MultiWork:
+    """3 samples per input, every 4th input bad; optionally fails at input `fail_at` (a crash)."""
+
+    def __init__(self, fail_at=None):
+        self.fail_at = fail_at
+
+    def __call__(self, item):
+        if item.index == self.fail_at:
+            raise RuntimeError("injected crash")
+        if item.index % 4 == 3:
+            item.error = "bad"
+            return item, None
+        return item, [{"__key__": f"{item.index:04d}-{c}", "txt": f"{item.index} {c}"} for c in range(3)]
+
+
+def test_resume_with_inputs_straddling_shards(tmp_path):
+    items = lambda: [make_shards.Item(i, f"in{i}") for i in range(11)]  # noqa: E731
+    ref = make_shards.convert(items(), _MultiWork(), str(tmp_path / "ref"), shard_size=2, progress=False)
+    assert (ref["read"], ref["written"], ref["skipped"], ref["samples"]) == (11, 9, 2, 27)
+    out = str(tmp_path / "out")
+    with pytest.raises(RuntimeError):
+        make_shards.convert(items(), _MultiWork(fail_at=6), out, shard_size=2, progress=False)
+    assert len(glob.glob(os.path.join(out, "*.tar"))) == 7 and glob.glob(os.path.join(out, "*.tmp"))
+    res = make_shards.convert(items(), _MultiWork(), out, shard_size=2, progress=False)
+    assert res["resumed_shards"] == 7
+    assert {k: res[k] for k in ("read", "written", "skipped", "samples", "shards")} == \
+        {k: ref[k] for k in ("read", "written", "skipped", "samples", "shards")}  # fmt: skip
+    assert _tar_bytes(out) == _tar_bytes(str(tmp_path / "ref"))
+    keys = [x["__key__"] for x in _samples(out)]
+    assert len(keys) == len(set(keys)) == 27
