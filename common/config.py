@@ -39,6 +39,12 @@ class RunConfig:
 
 
 @dataclass
+class SourceConfig:
+    path: str = doc(MISSING, "shards of this source: a directory, brace pattern or glob")
+    weight: float = doc(1.0, "mixing weight (normalised over all sources)")
+
+
+@dataclass
 class DataConfig:
     train_shards: str = doc("datasets/synth/train", "training shards: a directory, brace pattern or glob")
     eval_shards: str = doc("datasets/synth/heldout", "held-out shards used by eval.py")
@@ -47,6 +53,16 @@ class DataConfig:
     shuffle: bool = doc(True, "deterministic per-epoch shuffle of shards and samples")
     shuffle_window: int = doc(8, "shards whose samples are shuffled together (the shuffle-buffer equivalent)")
     prefetch_factor: int = doc(2, "micro-batches prefetched per worker")
+    sources: list[SourceConfig] = doc(help="weighted sources [{path, weight}] mixed by a deterministic "
+                                      "schedule; empty: train_shards alone", factory=list)
+    mix_block: int = doc(1000, "mixing block: each block of positions holds exactly round(weight*block) "
+                         "samples of each source")
+    mode: str = doc("epoch", "epoch: each sample once per epoch, reshuffled per epoch | resampled: "
+                    "seeded draws with replacement, no epoch boundary")
+    buckets: list[list[int]] = doc(help="shape buckets [h, w] or [frames, h, w] (empty: no bucketing); "
+                                   "a sample goes to the largest bucket that fits it", factory=list)
+    bucket_target_tokens: int = doc(0, "per-rank tokens per micro-batch when bucketing: batch = "
+                                    "max(1, target // tokens(bucket)); replaces micro_batch_size")
 
 
 @dataclass

@@ -224,3 +224,18 @@ def test_clear_errors(shard_dir, tmp_path):
         ld.load_state_dict({"samples_consumed": 4, "num_samples": 34, "seed": 0, "version": 1})
     with pytest.raises(DataError, match="seed changed"):
         ld.load_state_dict({"samples_consumed": 4, "num_samples": N, "seed": 9, "version": 1})
+
+
+def test_from_config_and_resampled_order(shard_dir):
+    from common.config import DataConfig
+    from common.data import ResampledOrder
+
+    cfg = DataConfig(train_shards=str(shard_dir), micro_batch_size=4, num_workers=0, shuffle_window=2)
+    a = take(StreamingLoader.from_config(cfg, decode, seed=3), 3)
+    b = take(make(shard_dir, 4, seed=3), 3)
+    assert [x["__key__"] for x in a] == [x["__key__"] for x in b]
+    o = ResampledOrder([PER_SHARD] * NUM_SHARDS, seed=1, block=16)
+    draws = [o.locate(p) for p in range(100)]
+    assert draws == [ResampledOrder([PER_SHARD] * NUM_SHARDS, seed=1, block=16).locate(p) for p in range(100)]
+    assert all(0 <= s < NUM_SHARDS and 0 <= i < PER_SHARD for s, i, _ in draws)
+    assert len(set(draws)) < 100 and draws[99][2] == 99 // N

@@ -101,3 +101,54 @@ class GlobalOrder:
         """All (shard_id, sample_id) of one epoch, in order (for tests and inspection)."""
         base = epoch * self.num_samples
         return [self.locate(base + i)[:2] for i in range(self.num_samples)]
+
+
+_TAG_RESAMPLE = 0x5EED_0003
+
+
+class ResampledOrder:
+    """Sampling with replacement: `locate(p)` draws a sample uniformly by a seeded function of p.
+
+    Positions are grouped in blocks of `block`; block b's draws come from a generator seeded by
+    (seed, b), so any position is addressable directly (resume and DP changes stay exact) and
+    there is no epoch boundary: `epoch` in the returned triple is the nominal p // num_samples.
+    """
+
+    def __init__(self, shard_sizes: Sequence[int], seed: int = 0, block: int = 4096):
+        if int(seed) < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
+        self.shard_sizes = np.asarray(shard_sizes, dtype=np.int64)
+        self.num_samples = int(self.shard_sizes.sum())
+        if self.num_samples <= 0:
+            raise ValueError("ResampledOrder needs at least one sample")
+        self.seed, self.block = int(seed), int(block)
+        self.shard_starts = np.concatenate([[0], np.cumsum(self.shard_sizes)])
+        self._blocks: OrderedDict[int, np.ndarray] = OrderedDict()
+
+    def _draws(self, b: int) -> np.ndarray:
+        d = self._blocks.get(b)
+        if d is None:
+            rng = np.random.default_rng([_TAG_RESAMPLE, self.seed, b])
+            d = self._blocks[b] = rng.integers(0, self.num_samples, self.block)
+            while len(self._blocks) > 4:
+                self._blocks.popitem(last=False)
+        return d
+
+    def locate(self, position: int) -> tuple[int, int, int]:
+        position = int(position)
+        if position < 0:
+            raise ValueError(f"position must be >= 0, got {position}")
+        b, i = divmod(position, self.block)
+        q = int(self._draws(b)[i])
+        k = int(np.searchsorted(self.shard_starts, q, side="right")) - 1
+        return k, q - int(self.shard_starts[k]), position // self.num_samples
+
+
+def make_order(shard_sizes: Sequence[int], seed: int = 0, shuffle: bool = True, window: int = 8,
+               mode: str = "epoch"):
+    """`mode`: epoch (each sample once per epoch, `GlobalOrder`) | resampled (`ResampledOrder`)."""
+    if mode == "epoch":
+        return GlobalOrder(shard_sizes, seed=seed, shuffle=shuffle, window=window)
+    if mode == "resampled":
+        return ResampledOrder(shard_sizes, seed=seed)
+    raise ValueError(f"data mode must be 'epoch' or 'resampled', got {mode!r}")

@@ -15,7 +15,7 @@ import torch
 
 from common import dist as mdist
 from common.cli import run_cli
-from common.config import parse_cli, to_yaml
+from common.config import ConfigError, parse_cli, to_yaml
 from common.data import StreamingLoader
 from common.trainer import Trainer
 from pipelines.text2image import components
@@ -38,10 +38,11 @@ def main(argv=None) -> int:
     n_params = sum(p.numel() for p in comp.model.parameters())
     flops_per_sample = comp.model.flops_per_sample()
     pm = parallelize(comp.model, cfg.parallel, info, microbatches=cfg.train.grad_accum, criterion=criterion)
-    loader = StreamingLoader(cfg.data.train_shards, ImageDecoder(cfg.model.image_size, use_latents=bool(cfg.vae.path)),
-                             micro_batch_size=cfg.data.micro_batch_size, dp_rank=pm.dp_rank, dp_size=pm.dp_size,
-                             num_workers=cfg.data.num_workers, seed=cfg.run.seed, shuffle=cfg.data.shuffle,
-                             window=cfg.data.shuffle_window, prefetch_factor=cfg.data.prefetch_factor)
+    if cfg.data.buckets:
+        raise ConfigError("data.buckets: text2image trains at one resolution (model.image_size); buckets are for "
+                          "pipelines with variable shapes")
+    loader = StreamingLoader.from_config(cfg.data, ImageDecoder(cfg.model.image_size, use_latents=bool(cfg.vae.path)),
+                                         dp_rank=pm.dp_rank, dp_size=pm.dp_size, seed=cfg.run.seed)
     # The sample grid shows held-out captions: colour/shape pairs never seen together in training.
     prompts = [c for c, _ in first_examples(cfg.data.eval_shards, cfg.sample.num)] if cfg.data.eval_shards else []
     config_yaml = to_yaml(cfg)
