@@ -89,3 +89,67 @@ class CaptionProjection(MLP):
 
     def __init__(self, text_dim: int, dim: int):
         super().__init__(text_dim, dim, dim)
+
+
+# --------------------------------------------------------------------------- 3-D (video) helpers
+# Video tokens are ordered (t, h, w) row-major over the (T/tp, H/p, W/p) grid; a token's values
+# are laid out (tp, p, p, C) (channels last), the layout the final layer predicts and
+# `unpatchify3d` inverts. With tp = 1 and T = 1 this is exactly `patchify`'s layout.
+
+
+def patchify3d(x: torch.Tensor, temporal_patch: int, patch: int) -> torch.Tensor:
+    """(B, C, T, H, W) -> (B, (T/tp)*(H/p)*(W/p), tp*p*p*C)."""
+    b, c, t, h, w = x.shape
+    tp, p = temporal_patch, patch
+    if t % tp or h % p or w % p:
+        raise ValueError(f"video {t}x{h}x{w} not divisible by patch (t={tp}, h=w={p})")
+    x = x.reshape(b, c, t // tp, tp, h // p, p, w // p, p).permute(0, 2, 4, 6, 3, 5, 7, 1)
+    return x.reshape(b, (t // tp) * (h // p) * (w // p), tp * p * p * c)
+
+
+def unpatchify3d(x: torch.Tensor, grid: tuple[int, int, int], temporal_patch: int, patch: int,
+                 channels: int) -> torch.Tensor:
+    """(B, gt*gh*gw, tp*p*p*C) -> (B, C, gt*tp, gh*p, gw*p); inverse of patchify3d."""
+    (gt, gh, gw), tp, p = grid, temporal_patch, patch
+    b = x.shape[0]
+    x = x.reshape(b, gt, gh, gw, tp, p, p, channels).permute(0, 7, 1, 4, 2, 5, 3, 6)
+    return x.reshape(b, channels, gt * tp, gh * p, gw * p)
+
+
+def grid_positions(*sizes: int, device=None) -> torch.Tensor:
+    """Integer coordinates of a row-major grid: sizes (n0, n1, ...) -> (prod(sizes), len(sizes)) int64.
+    The position table of N-d RoPE (`rope_frequencies`) and of `sincos_nd`."""
+    axes = torch.meshgrid(*(torch.arange(n, device=device) for n in sizes), indexing="ij")
+    return torch.stack([a.reshape(-1) for a in axes], dim=-1)
+
+
+def sincos_nd(sizes: tuple[int, ...], dims_per_axis: tuple[int, ...], device=None) -> torch.Tensor:
+    """(prod(sizes), sum(dims)) fixed absolute positions over a row-major N-d grid: axis a owns
+    dims_per_axis[a] channels ([cos | sin] of its integer coordinate), axis after axis."""
+    if len(sizes) != len(dims_per_axis) or any(d % 2 or d <= 0 for d in dims_per_axis):
+        raise ValueError(f"sincos_nd needs one positive even dim per axis, got sizes {sizes} dims {dims_per_axis}")
+    pos = grid_positions(*sizes, device=device).float()
+    return torch.cat([sinusoidal_embedding(pos[:, a], d) for a, d in enumerate(dims_per_axis)], dim=-1)
+
+
+class VideoPatchEmbed(nn.Module):
+    """Non-overlapping tp x p x p patches -> dim. "conv" (Conv3d, kernel = stride) and "linear"
+    (patchify3d + Linear) compute the same function; the conv weight (D, C, tp, p, p) permuted to
+    (D, tp, p, p, C) is the linear weight."""
+
+    def __init__(self, in_channels: int, dim: int, patch_size: int, temporal_patch: int = 1, mode: str = "linear"):
+        super().__init__()
+        self.patch_size, self.temporal_patch, self.mode = patch_size, temporal_patch, mode
+        k = (temporal_patch, patch_size, patch_size)
+        if mode == "conv":
+            self.proj = nn.Conv3d(in_channels, dim, k, stride=k)
+        elif mode == "linear":
+            self.proj = nn.Linear(temporal_patch * patch_size * patch_size * in_channels, dim)
+        else:
+            raise ValueError(f"VideoPatchEmbed mode must be 'conv' or 'linear', got {mode!r}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, C, T, H, W) -> (B, N, dim), tokens in (t, h, w) row-major order."""
+        if self.mode == "conv":
+            return self.proj(x).flatten(2).transpose(1, 2)
+        return self.proj(patchify3d(x, self.temporal_patch, self.patch_size))
