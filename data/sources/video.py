@@ -77,7 +77,10 @@ def encode_mp4(frames: list[np.ndarray], fps: float, crf: int = 23) -> tuple[byt
         st.pix_fmt = "yuv420p"
         st.codec_context.thread_count = 1  # one thread: reproducible bytes
         if codec == "libx264":
-            st.options = {"crf": str(crf), "preset": "veryfast", "bf": "0"}
+            # x264's lookahead / mb-tree / scene-cut made the bytes differ between runs on tiny
+            # frames; without them the same frames always encode to the same bytes.
+            st.options = {"crf": str(crf), "preset": "veryfast", "bf": "0",
+                          "x264-params": "rc-lookahead=0:mbtree=0:scenecut=0"}
         else:
             st.codec_context.qscale = 3
             st.options = {"qscale": "3"}
