@@ -82,3 +82,25 @@ class FinalLayer(nn.Module):
     def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
         shift, scale = (self.scale_shift_table[None] + temb[:, None]).unbind(1)
         return self.linear(norm_modulate(x, shift, scale, self.eps))
+
+
+def reset_dit_parameters(model: nn.Module) -> None:
+    """DiT-family init (image and video DiT): xavier patch embed (as a linear), N(0, 0.02)
+    timestep MLP and caption projections, zero adaLN-single output (with zero gates every block
+    starts as the identity), each block's and the final layer's own init (zero final linear)."""
+    w = model.patch_embed.proj.weight
+    nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+    nn.init.zeros_(model.patch_embed.proj.bias)
+    for m in model.t_embedder.mlp:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+            nn.init.zeros_(m.bias)
+    projections = [model.caption_proj] + ([model.pooled_proj] if model.pooled_proj is not None else [])
+    for m in (lin for proj in projections for lin in (proj.fc1, proj.fc2)):
+        nn.init.normal_(m.weight, std=0.02)
+        nn.init.zeros_(m.bias)
+    nn.init.zeros_(model.t_block[1].weight)
+    nn.init.zeros_(model.t_block[1].bias)
+    for b in model.blocks:
+        b.reset_parameters()
+    model.final.reset_parameters()

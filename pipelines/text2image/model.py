@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from common.kernels import rope_frequencies
-from common.nn import CaptionProjection, DiTBlock, FinalLayer, PatchEmbed2d, TimestepEmbedder, sincos_2d, unpatchify
+from common.nn import (CaptionProjection, DiTBlock, FinalLayer, PatchEmbed2d, TimestepEmbedder, reset_dit_parameters,
+                       sincos_2d, unpatchify)
 
 
 # --------------------------------------------------------------------------- text encoder
@@ -179,24 +180,7 @@ class DiT(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        # DiT init: xavier patch embed (as a linear), N(0, 0.02) timestep MLP, zero adaLN output
-        # (with zero gates this makes every block the identity at start).
-        w = self.patch_embed.proj.weight
-        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
-        nn.init.zeros_(self.patch_embed.proj.bias)
-        for m in self.t_embedder.mlp:
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, std=0.02)
-                nn.init.zeros_(m.bias)
-        projections = [self.caption_proj] + ([self.pooled_proj] if self.pooled_proj is not None else [])
-        for m in (lin for proj in projections for lin in (proj.fc1, proj.fc2)):
-            nn.init.normal_(m.weight, std=0.02)
-            nn.init.zeros_(m.bias)
-        nn.init.zeros_(self.t_block[1].weight)
-        nn.init.zeros_(self.t_block[1].bias)
-        for b in self.blocks:
-            b.reset_parameters()
-        self.final.reset_parameters()
+        reset_dit_parameters(self)
 
     def rope(self, grid_h: int, grid_w: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(row, col) integer positions, head dim split evenly between the two axes."""

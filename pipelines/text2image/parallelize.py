@@ -1,19 +1,17 @@
-"""How common.parallel applies to the text2image DiT.
-
-Order (as in torchtitan): tensor parallel -> context parallel -> activation checkpointing ->
-compile -> pipeline split -> data parallel (DDP, or FSDP with each block a unit). The DiT's
+"""How common.parallel applies to the text2image DiT (the DiT-family steps are in
+common/parallel/dit.py; the pipeline split is the DiT-specific part here). The DiT's
 conditioning (t0, timestep embedding, projected text) is computed once before the blocks and
 passed between pipeline stages with the tokens, so every stage's blocks see it and its gradient
 flows back to the first stage.
 """
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from common.config import ConfigError
 from common.dist import DistInfo
-from common.parallel.data_parallel import apply_ddp, apply_fsdp
+from common.parallel.dit import (apply_block_options, apply_context_parallel_dit, apply_data_parallel_dit,
+                                 apply_tensor_parallel_dit)
 from common.parallel.dims import ParallelDims
 from common.parallel.parallel_model import ParallelModel
 from common.parallel.pipeline_parallel import PipelineRunner, split_layers, stage_ids
@@ -81,24 +79,13 @@ def parallelize(model: DiT, cfg, info: DistInfo, *, microbatches: int = 1, crite
     mesh = dims.build_mesh(info.device.type)
     grad_hooks = []
     if dims.tp > 1:
-        grad_hooks.append(_apply_tp(model, mesh, cfg))
+        grad_hooks.append(apply_tensor_parallel_dit(model, mesh, cfg))
     if dims.cp > 1:
-        _apply_cp(model, mesh, dims)
-    if cfg.activation_checkpoint != "none":
-        from common.parallel.activation_checkpoint import apply_activation_checkpointing
-        apply_activation_checkpointing(model.blocks, cfg.activation_checkpoint, cfg.ac_every)
-    if cfg.compile:
-        from common.parallel.compile import compile_blocks
-        compile_blocks(model.blocks)
+        apply_context_parallel_dit(model, mesh, dims, mc.num_tokens)
+    apply_block_options(model.blocks, cfg)
     if dims.pp > 1:
         return _pipeline(model, dims, mesh, info, microbatches, criterion, grad_hooks)
-    if dims.dp_mode == "ddp":
-        module = apply_ddp(model, mesh, info.device)
-    elif dims.dp_mode == "fsdp":
-        module = apply_fsdp(model, list(model.blocks), mesh, dims, info.device,
-                            reshard_after_forward=cfg.reshard_after_forward, cpu_offload=cfg.cpu_offload)
-    else:
-        module = model
+    module = apply_data_parallel_dit(model, dims, mesh, info.device, cfg)
     return ParallelModel(module, dims, mesh, grad_hooks=grad_hooks)
 
 
@@ -127,37 +114,3 @@ def _pipeline(model: DiT, dims: ParallelDims, mesh, info: DistInfo, microbatches
     runner = PipelineRunner(stages, num_stages, mesh["pp"].get_group(), info.device, dims.pp_schedule,
                             microbatches, criterion)
     return ParallelModel(view, dims, mesh, pipeline=runner, grad_hooks=grad_hooks)
-
-
-def _apply_tp(model: DiT, mesh, cfg):
-    """DTensor plans on every block; embeddings, t_block and the final layer stay replicated.
-    Returns the hook that sums the partial gradients of TP-replicated parameters each step."""
-    from common.parallel.tensor_parallel import apply_tensor_parallel
-    return apply_tensor_parallel(model, mesh["tp"], plan="dit", sequence_parallel=cfg.sequence_parallel)
-
-
-def _apply_cp(model: DiT, mesh, dims: ParallelDims) -> None:
-    """Shard the token sequence over the CP ranks from the first block to the final layer.
-
-    Self-attention goes through ContextParallel; cross-attention needs nothing (the text is
-    replicated, queries stay local) and every other layer is token-wise. The final layer runs on
-    the gathered sequence, identically on every CP rank; gather's backward (local slice x cp)
-    plus the gradient averaging over dp x cp make every parameter's gradient exact.
-    """
-    from common.parallel.context_parallel import ContextParallel
-    # The DiT's attention is bidirectional, so contiguous shards already balance the work.
-    cp = ContextParallel(mesh["cp"], mode=dims.cp_mode, layout="contiguous",
-                         ulysses_degree=dims.cp_ulysses if dims.cp_mode == "hybrid" else None)
-    cp.validate(model.cfg.heads, model.cfg.heads, model.cfg.num_tokens)
-    first = model.blocks[0]
-
-    def shard_block_inputs(block, args):
-        h, t0, ctx, mask, rope = args
-        if block is first:
-            h = cp.shard(h, 1)
-        return h, t0, ctx, mask, tuple(cp.shard(r, 0) for r in rope)  # RoPE rows follow their tokens
-
-    for block in model.blocks:
-        block.attn.attn_impl = cp.attention
-        block.register_forward_pre_hook(shard_block_inputs)
-    model.final.register_forward_pre_hook(lambda _, args: (cp.gather(args[0], 1), *args[1:]))

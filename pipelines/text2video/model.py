@@ -31,7 +31,7 @@ from torch import nn
 
 from common.kernels import attention, rope_frequencies
 from common.nn import (CaptionProjection, DiTBlock, FinalLayer, TimestepEmbedder, VideoPatchEmbed, grid_positions,
-                       sincos_2d, sincos_nd, unpatchify3d)
+                       reset_dit_parameters, sincos_2d, sincos_nd, unpatchify3d)
 # The frozen open_clip text tower is the text2image one (same captions, same tokenizer).
 from pipelines.text2image.model import TextEncoder, TextEncoderConfig  # noqa: F401  (re-export)
 
@@ -228,24 +228,7 @@ class VideoDiT(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        # As the DiT: xavier patch embed (as a linear), N(0, 0.02) timestep MLP and caption
-        # projections, zero adaLN output (identity blocks at start), zero final linear.
-        w = self.patch_embed.proj.weight
-        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
-        nn.init.zeros_(self.patch_embed.proj.bias)
-        for m in self.t_embedder.mlp:
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, std=0.02)
-                nn.init.zeros_(m.bias)
-        projections = [self.caption_proj] + ([self.pooled_proj] if self.pooled_proj is not None else [])
-        for m in (lin for proj in projections for lin in (proj.fc1, proj.fc2)):
-            nn.init.normal_(m.weight, std=0.02)
-            nn.init.zeros_(m.bias)
-        nn.init.zeros_(self.t_block[1].weight)
-        nn.init.zeros_(self.t_block[1].bias)
-        for b in self.blocks:
-            b.reset_parameters()
-        self.final.reset_parameters()
+        reset_dit_parameters(self)  # as the image DiT: identity blocks, zero final layer
 
     # ------------------------------------------------------------------ geometry
     def grid(self, x: torch.Tensor) -> tuple[int, int, int]:

@@ -1,0 +1,100 @@
+"""The text2video run configuration: the shared sections from common.config plus this pipeline's.
+
+The text tower and diffusion sections are text2image's (same captions, same objective); only
+the model and sample sections are video specific.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.config import (ConfigError, DataConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig, doc)
+from pipelines.text2image.config import TextConfig
+
+
+@dataclass
+class ModelConfig:
+    preset: str = doc("tiny", "tiny | S | B | XL: VideoDiT size; the fields below override the preset where set (> 0)")
+    frames: int = doc(8, "frames per training clip (model input, after any VAE)")
+    image_size: int = doc(32, "frame height (model input: pixels, or latents at scale)")
+    image_width: int = doc(0, "frame width (0: image_size, square frames)")
+    patch_size: int = doc(0, "spatial patch size (0: preset)")
+    temporal_patch: int = doc(0, "temporal patch size (0: preset)")
+    hidden: int = doc(0, "transformer width (0: preset)")
+    depth: int = doc(0, "number of DiT blocks (0: preset)")
+    heads: int = doc(0, "attention heads (0: preset)")
+    mlp_ratio: float = doc(0.0, "MLP hidden / width (0: preset)")
+    attention: str = doc("full", "full (all T*H*W tokens; context parallel capable) | factorized (spatial / "
+                                 "temporal blocks alternating; one device only)")
+    in_channels: int = doc(3, "model input channels: 3 = RGB pixel space (this version trains in pixel space "
+                              "only; 16 is the video-VAE latent width of the at-scale presets)")
+
+
+@dataclass
+class VideoDataConfig:
+    source: str = doc("auto", "auto: npy frames when a sample has them, else mp4 | mp4 | npy")
+    images: bool = doc(True, "decode png/jpg samples as one-frame videos (joint image-video training needs "
+                             "data.buckets with a [1, h, w] bucket)")
+
+
+@dataclass
+class DiffusionConfig:
+    timesteps: str = doc("logit_normal", "logit_normal | uniform")
+    logit_mean: float = doc(0.0, "logit-normal mean")
+    logit_std: float = doc(1.0, "logit-normal std")
+    shift: float = doc(0.0, "fixed timestep shift (0: resolution and length dependent, "
+                            "base_shift * sqrt(tokens / base_tokens), tokens = T*H*W patches)")
+    base_shift: float = doc(1.0, "shift at base_tokens")
+    base_tokens: int = doc(256, "token count where the shift equals base_shift")
+    cfg_dropout: float = doc(0.1, "probability of replacing a caption by the empty caption (classifier-free guidance)")
+
+
+@dataclass
+class SampleConfig:
+    steps: int = doc(30, "sampler steps (Euler)")
+    cfg: float = doc(3.0, "classifier-free guidance weight (1: no guidance)")
+    num: int = doc(4, "clips in the training-time sample grid (captions from data.eval_shards)")
+    seed: int = doc(1234, "seed of the sample grid's noise")
+    fps: float = doc(8.0, "frame rate of written MP4/GIF files")
+    scale: int = doc(4, "nearest-neighbour upscale of written videos (tiny clips are 32 px)")
+
+
+@dataclass
+class T2VConfig:
+    run: RunConfig = doc(factory=RunConfig, help="run directory, seed, resume")
+    data: DataConfig = doc(factory=DataConfig, help="shards and loader")
+    optim: OptimConfig = doc(factory=OptimConfig, help="AdamW and LR schedule")
+    train: TrainConfig = doc(factory=TrainConfig, help="loop length, logging, checkpoints, EMA")
+    parallel: ParallelConfig = doc(factory=ParallelConfig, help="data, tensor and context parallelism")
+    model: ModelConfig = doc(factory=ModelConfig, help="the VideoDiT")
+    video: VideoDataConfig = doc(factory=VideoDataConfig, help="clip decoding")
+    text: TextConfig = doc(factory=TextConfig, help="the frozen open_clip text tower")
+    diffusion: DiffusionConfig = doc(factory=DiffusionConfig, help="rectified-flow training objective")
+    sample: SampleConfig = doc(factory=SampleConfig, help="sample videos")
+
+    def validate(self) -> None:
+        positive = {"data.micro_batch_size": self.data.micro_batch_size, "train.steps": self.train.steps,
+                    "train.grad_accum": self.train.grad_accum, "train.log_every": self.train.log_every,
+                    "train.ckpt_every": self.train.ckpt_every, "model.image_size": self.model.image_size,
+                    "model.frames": self.model.frames, "model.in_channels": self.model.in_channels, "sample.steps": self.sample.steps,
+                    "sample.fps": self.sample.fps, "sample.scale": self.sample.scale,
+                    "text.context_length": self.text.context_length}
+        for key, value in positive.items():
+            if value <= 0:
+                raise ConfigError(f"{key}={value} must be > 0")
+        if self.data.num_workers < 0:
+            raise ConfigError(f"data.num_workers={self.data.num_workers} must be >= 0")
+        choices = {"diffusion.timesteps": (self.diffusion.timesteps, ("logit_normal", "uniform")),
+                   "optim.schedule": (self.optim.schedule, ("cosine", "constant")),
+                   "model.preset": (self.model.preset, ("tiny", "S", "B", "XL")),
+                   "model.attention": (self.model.attention, ("full", "factorized")),
+                   "video.source": (self.video.source, ("auto", "mp4", "npy"))}
+        for key, (value, allowed) in choices.items():
+            if value not in allowed:
+                raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+        if not 0.0 <= self.diffusion.cfg_dropout < 1.0:
+            raise ConfigError(f"diffusion.cfg_dropout={self.diffusion.cfg_dropout} must be in [0, 1)")
+        if self.model.image_width < 0:
+            raise ConfigError(f"model.image_width={self.model.image_width} must be >= 0")
+        for b in self.data.buckets:
+            if len(b) != 3:
+                raise ConfigError(f"data.buckets: text2video buckets are [frames, height, width], got {list(b)}")

@@ -1,0 +1,258 @@
+"""text2video: clip decoding and MP4/GIF writers (fast), layout refusals (fast), and end to end
+on a small synthetic video set (slow, subprocesses): run-dir layout with an MP4 sample, the
+sample/eval CLIs, exact resume after a kill, a corrupt clip skipped and counted, joint
+image-video training with buckets, and context parallelism (Ulysses, ring, FSDP x CP) and
+tensor parallelism with factorized attention matching the single-process run step by step."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import ROOT, env, read_metrics, run_module
+
+TINY_YAML = os.path.join(ROOT, "pipelines/text2video/configs/tiny.yaml")
+# 8 frames of 32 px, patches 2 x 4 x 4 -> 256 tokens; a model that runs a step in well under a second.
+SMALL_MODEL = ["model.hidden=32", "model.depth=2", "model.heads=2", "text.width=32", "text.layers=1",
+               "text.heads=2", "text.context_length=16", "sample.steps=2", "sample.num=2", "sample.scale=1",
+               "train.progress=false", "data.num_workers=0"]
+
+
+@pytest.fixture(scope="module")
+def video_data(tmp_path_factory):
+    from data.synth import generate_video
+    out = tmp_path_factory.mktemp("synth_video")
+    generate_video(str(out), count=32, heldout_count=4, size=32, frames=8, shard_size=8, seed=0)
+    return str(out)
+
+
+def run_t2v(run_dir: str, data_dir: str, *overrides: str, nproc: int = 1, check: bool = True,
+            timeout: int = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "pipelines.text2video.train"] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        "-m", "pipelines.text2video.train"]
+    args = cmd + ["--config", TINY_YAML, f"run.dir={run_dir}", f"data.train_shards={data_dir}/train",
+                  f"data.eval_shards={data_dir}/heldout", *SMALL_MODEL, *overrides]
+    proc = subprocess.run(args, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+# --------------------------------------------------------------------------- fast
+def test_clip_decoder_npy_mp4_and_image():
+    from PIL import Image
+
+    from data.sources.video import encode_mp4
+    from pipelines.text2video.data import ClipDecoder
+
+    def encode_npy(a):
+        buf = io.BytesIO()
+        np.save(buf, a, allow_pickle=False)
+        return buf.getvalue()
+    rng = np.random.default_rng(0)
+    frames = np.repeat(rng.integers(0, 256, (8, 8, 8, 3), dtype=np.uint8), 4, axis=1).repeat(4, axis=2)  # 8x32x32
+    dec = ClipDecoder(frames=6, size=32)
+    out = dec({"npy": encode_npy(frames), "txt": b" a clip "})
+    assert out["caption"] == "a clip" and out["video"].shape == (3, 6, 32, 32)  # (C, T, H, W)
+    expect = torch.from_numpy(frames[:6]).permute(3, 0, 1, 2).float() / 127.5 - 1
+    torch.testing.assert_close(out["video"], expect)  # npy is lossless
+    mp4, _ = encode_mp4(list(frames), 8.0)
+    v = dec({"mp4": mp4, "txt": b"x"})["video"]
+    assert v.shape == (3, 6, 32, 32) and v.min() >= -1 and v.max() <= 1
+    assert ClipDecoder(6, 16)({"npy": encode_npy(frames), "txt": b"x"})["video"].shape == (3, 6, 16, 16)
+    buf = io.BytesIO()
+    Image.fromarray(frames[0]).save(buf, format="PNG")
+    img = ClipDecoder(6, 32)({"png": buf.getvalue(), "txt": b"x", "__bucket__": (1, 32, 32)})["video"]
+    assert img.shape == (3, 1, 32, 32)
+    with pytest.raises(ValueError, match="buckets"):  # an image cannot fill an 8-frame batch
+        ClipDecoder(6, 32)({"png": buf.getvalue(), "txt": b"x"})
+    with pytest.raises(ValueError):
+        dec({"mp4": mp4[:50], "txt": b"x"})  # truncated clip -> corrupt
+    with pytest.raises(ValueError, match="no video"):
+        dec({"txt": b"x"})
+
+
+def test_mp4_gif_grid_writers_round_trip(tmp_path):
+    from common.data.media import decode_video
+    from pipelines.text2video.components import save_video_grid, tile
+    clips = torch.zeros(3, 4, 8, 8, 3, dtype=torch.uint8)
+    clips[1] = 200
+    clips[2] = torch.arange(4, dtype=torch.uint8).mul(60).view(4, 1, 1, 1)  # frames differ (GIF keeps them)
+    grid = tile(clips)
+    assert grid.shape == (4, 2 * 10 + 2, 2 * 10 + 2, 3) and (grid[:, 2:10, 12:20] == 200).all()
+    paths = save_video_grid(clips, str(tmp_path / "g"), fps=8.0, scale=2)
+    v = decode_video(open(paths[0], "rb").read(), dtype=torch.uint8)
+    assert v.shape == (4, 3, 44, 44)  # T, C, H, W; upscaled x2
+    from PIL import Image
+    gif = Image.open(paths[1])
+    assert gif.n_frames == 4 and gif.size == (44, 44)
+
+
+def _parallelize_error(*overrides: str, world_size: int) -> str:
+    from common.config import ConfigError, build_config
+    from common.dist import DistInfo
+    from pipelines.text2video import components
+    from pipelines.text2video.config import T2VConfig
+    from pipelines.text2video.parallelize import parallelize
+    cfg = build_config(T2VConfig, TINY_YAML, [*SMALL_MODEL, *overrides])
+    comp = components.build(cfg)
+    info = DistInfo(0, world_size, 0, torch.device("cpu"), torch.float32)
+    with pytest.raises(ConfigError) as e:
+        parallelize(comp.model, cfg.parallel, info)
+    return str(e.value)
+
+
+def test_unsupported_layouts_fail_at_start():
+    assert "factorized" in _parallelize_error("parallel.cp=2", "model.attention=factorized", world_size=2)
+    assert "not supported for text2video" in _parallelize_error("parallel.pp=2", world_size=2)
+
+
+def test_prepare_builds_clip_flow_examples():
+    from common.config import build_config
+    from pipelines.text2video import components
+    from pipelines.text2video.config import T2VConfig
+    cfg = build_config(T2VConfig, TINY_YAML, SMALL_MODEL)
+    comp = components.build(cfg)
+    prepare, criterion = components.make_step_fns(comp, torch.device("cpu"))
+    batch = {"video": torch.rand(2, 3, 8, 32, 32) * 2 - 1, "caption": ["a", "b"], "__position__": torch.tensor([0, 1])}
+    (x_t, t, ctx, mask), target = prepare(batch)
+    assert x_t.shape == target.shape == (2, 3, 8, 32, 32) and t.shape == (2,) and ctx.shape[:2] == mask.shape
+    (x2, t2, _, _), _ = prepare(batch)
+    assert torch.equal(x_t, x2) and torch.equal(t, t2)  # seeded by sample position
+    loss = criterion(comp.model(x_t, t, ctx, mask), target)
+    assert torch.isfinite(loss)
+
+
+# --------------------------------------------------------------------------- end to end
+@pytest.mark.slow
+def test_run_dir_layout_mp4_sample_and_clis(video_data, tmp_path):
+    run = str(tmp_path / "run")
+    run_t2v(run, video_data, "train.steps=4", "train.ckpt_every=2", "train.log_every=1", "data.micro_batch_size=4")
+    for path in ("config.yaml", "metrics.jsonl", "checkpoints/latest", "checkpoints/step_00000004/meta.json",
+                 "samples/step_00000004.mp4", "samples/step_00000004.gif", "samples/step_00000004.txt"):
+        assert os.path.exists(os.path.join(run, path)), path
+    from common.data.media import decode_video
+    clip = decode_video(open(os.path.join(run, "samples", "step_00000004.mp4"), "rb").read(), dtype=torch.uint8)
+    assert clip.shape == (8, 3, 2 + 34, 2 * 34 + 2)  # 2 samples tiled side by side, 8 frames
+    metrics = read_metrics(run)
+    assert sorted(metrics) == [1, 2, 3, 4]
+    assert all(r["loss"] > 0 and r["samples_per_s"] > 0 for r in metrics.values())
+
+    out = str(tmp_path / "samples")
+    proc = run_module("pipelines.text2video.sample", "--run", run, "--prompt", "a red circle moving up", "--num", "2",
+                      "--out", out, "--steps", "2", "--frames", "4")
+    assert proc.returncode == 0, proc.stderr
+    index = [json.loads(line) for line in open(os.path.join(out, "index.jsonl"))]
+    assert [r["seed"] for r in index] == [0, 1] and all(r["frames"] == 4 for r in index)
+    assert all(os.path.isfile(os.path.join(out, r["file"])) and os.path.isfile(os.path.join(out, r["gif"]))
+               for r in index)
+    assert os.path.isfile(os.path.join(out, "grid.mp4")) and os.path.isfile(os.path.join(out, "grid.gif"))
+
+    proc = run_module("pipelines.text2video.eval", "--run", run, "--num", "2", "--steps", "2")
+    assert proc.returncode == 0, proc.stderr
+    result = json.load(open(os.path.join(run, "eval.json")))
+    assert result["n"] == 2 and 0.0 <= result["motion_acc"] <= 1.0 and "motion accuracy" in proc.stdout
+
+
+@pytest.mark.slow
+def test_resume_after_kill_is_exact(video_data, tmp_path):
+    full, killed = str(tmp_path / "full"), str(tmp_path / "killed")
+    common = ["train.steps=6", "train.ckpt_every=3", "train.log_every=1", "train.sample_every=0", "sample.num=0",
+              "data.micro_batch_size=4"]
+    run_t2v(full, video_data, *common)
+    run_t2v(killed, video_data, *common, "train.stop_after=5")
+    assert open(os.path.join(killed, "checkpoints", "latest")).read().strip() == "step_00000003"
+    run_t2v(killed, video_data, *common, "run.resume=auto")
+    a, b = read_metrics(full), read_metrics(killed)
+    for step in range(4, 7):
+        assert a[step]["loss"] == b[step]["loss"], (step, a[step]["loss"], b[step]["loss"])
+        assert a[step]["grad_norm"] == b[step]["grad_norm"], step
+
+
+@pytest.mark.slow
+def test_corrupt_clip_is_skipped_and_counted(video_data, tmp_path):
+    import webdataset as wds
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    src = wds.WebDataset(os.path.join(video_data, "train", "shard-000000.tar"), shardshuffle=False)
+    with wds.TarWriter(str(shards / "shard-000000.tar")) as sink:
+        for i, s in enumerate(src):
+            sample = {"__key__": s["__key__"], "mp4": s["mp4"], "txt": s["txt"], "json": s["json"]}
+            if i == 3:
+                sample["mp4"] = s["mp4"][:60]  # truncated clip
+            sink.write(sample)
+    run = str(tmp_path / "run")
+    run_t2v(run, video_data, f"data.train_shards={shards}", "data.micro_batch_size=8", "train.steps=2",
+            "train.log_every=1", "sample.num=0")
+    metrics = read_metrics(run)
+    assert [metrics[s]["corrupt_samples"] for s in (1, 2)] == [1, 2]  # one epoch of 8 per step
+
+
+@pytest.mark.slow
+def test_joint_image_video_training_with_buckets(video_data, tmp_path):
+    """Images (one-frame videos) and clips mixed by source weights, batched by (frames, h, w) bucket."""
+    from data.synth import generate
+    images = str(tmp_path / "images")
+    generate(images, count=16, heldout_count=0, size=32, shard_size=8, seed=0)
+    run = str(tmp_path / "run")
+    proc = run_t2v(run, video_data, "train.steps=4", "train.log_every=1", "sample.num=1",
+                   f"data.sources=[{{path: {video_data}/train, weight: 1.0}}, {{path: {images}/train, weight: 1.0}}]",
+                   "data.buckets=[[1,32,32],[8,32,32]]", "data.bucket_target_tokens=1024")
+    assert "48 training samples" in proc.stdout
+    losses = [m["loss"] for m in read_metrics(run).values()]
+    assert len(losses) == 4 and all(0 < v < 10 for v in losses)
+    assert os.path.isfile(os.path.join(run, "samples", "step_00000004.mp4"))
+
+
+# --------------------------------------------------------------------------- context parallel
+CP_COMMON = ["train.steps=5", "train.log_every=1", "train.ckpt_every=100", "train.sample_every=0", "sample.num=0",
+             "train.ema_decay=0.9"]
+
+
+@pytest.fixture(scope="module")
+def cp_reference(video_data, tmp_path_factory):
+    run = str(tmp_path_factory.mktemp("t2v_single") / "run")
+    run_t2v(run, video_data, *CP_COMMON, "data.micro_batch_size=8")
+    return run
+
+
+@pytest.fixture(scope="module")
+def factorized_reference(video_data, tmp_path_factory):
+    run = str(tmp_path_factory.mktemp("t2v_factorized") / "run")
+    run_t2v(run, video_data, *CP_COMMON, "data.micro_batch_size=8", "model.attention=factorized")
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_factorized_attention_tensor_parallel_matches_single_process(factorized_reference, video_data, tmp_path):
+    run = str(tmp_path / "run")
+    run_t2v(run, video_data, *CP_COMMON, "data.micro_batch_size=8", "model.attention=factorized", "parallel.tp=2",
+            "parallel.sequence_parallel=true", nproc=2)
+    ref, par = read_metrics(factorized_reference), read_metrics(run)
+    for step in range(1, 6):
+        assert par[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5), (step, par[step], ref[step])
+        assert par[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-5), (step, par[step], ref[step])
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("layout", ["cp2-ulysses", "cp2-ring", "fsdp2xcp2"])
+def test_context_parallel_matches_single_process(cp_reference, video_data, tmp_path, layout):
+    nproc, overrides = {"cp2-ulysses": (2, ["data.micro_batch_size=8", "parallel.cp=2", "parallel.cp_mode=ulysses"]),
+                        "cp2-ring": (2, ["data.micro_batch_size=8", "parallel.cp=2", "parallel.cp_mode=ring"]),
+                        "fsdp2xcp2": (4, ["data.micro_batch_size=4", "parallel.dp_shard=2", "parallel.cp=2",
+                                          "parallel.cp_mode=ring"])}[layout]
+    run = str(tmp_path / "run")
+    run_t2v(run, video_data, *CP_COMMON, *overrides, nproc=nproc)
+    ref, par = read_metrics(cp_reference), read_metrics(run)
+    for step in range(1, 6):
+        assert par[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5), (step, par[step], ref[step])
+        assert par[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-5), (step, par[step], ref[step])
