@@ -211,3 +211,23 @@ def load_model_weights(path: str, model: torch.nn.Module, tensors: dict[str, dic
     set_model_state_dict(model, state["model"])
     meta["path"] = path
     return meta
+
+
+def load_for_inference(path: str, model: torch.nn.Module, frozen: dict[str, torch.nn.Module], signature: dict,
+                       use_ema: bool = True) -> dict:
+    """Single-process load for sampling/eval: the model's weights (then its EMA weights, when
+    `use_ema` and the checkpoint holds them) and the frozen modules' state; eval mode."""
+    ema = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    frozen_state = {name: dict(m.state_dict()) for name, m in frozen.items()}
+    tensors = dict(frozen_state, **({"ema": ema} if use_ema else {}))
+    meta = load_model_weights(path, model, tensors, signature=signature)
+    for name, m in frozen.items():
+        m.load_state_dict(frozen_state[name])
+    if use_ema:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n in ema:
+                    p.copy_(ema[n])
+    model.eval()
+    return meta
+

@@ -11,10 +11,9 @@ import argparse
 import json
 import os
 
-import torch
 from PIL import Image
 
-from common.checkpoint import load_model_weights
+from common.checkpoint import load_for_inference
 from common.cli import run_cli
 from common.config import ConfigError, from_yaml_file
 from pipelines.text2image import components
@@ -25,20 +24,9 @@ def load_run(run_dir: str, checkpoint: str | None = None, use_ema: bool = True):
     """(components, meta) with the checkpoint's weights (EMA if present) loaded; single process, eval mode."""
     cfg = from_yaml_file(T2IConfig, components.check_run_dir(run_dir))
     comp = components.build(cfg)
-    ema = {n: p.detach().clone() for n, p in comp.model.named_parameters() if p.requires_grad}
-    text = dict(comp.text_encoder.state_dict())
-    tensors = {"text_encoder": text}
-    if use_ema and cfg.train.ema_decay > 0:
-        tensors["ema"] = ema
-    meta = load_model_weights(checkpoint or os.path.join(run_dir, "checkpoints"), comp.model, tensors,
-                              signature=components.signature(cfg, comp))
-    comp.text_encoder.load_state_dict(text)
-    if "ema" in tensors:
-        with torch.no_grad():
-            for n, p in comp.model.named_parameters():
-                if n in ema:
-                    p.copy_(ema[n])
-    comp.model.eval()
+    meta = load_for_inference(checkpoint or os.path.join(run_dir, "checkpoints"), comp.model,
+                              {"text_encoder": comp.text_encoder}, components.signature(cfg, comp),
+                              use_ema=use_ema and cfg.train.ema_decay > 0)
     return comp, meta
 
 
