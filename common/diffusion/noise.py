@@ -56,3 +56,12 @@ def per_sample_rand(seeds, salt: int = SALT_TIME, shape: Sequence[int] = (), *, 
 def drop_mask(seeds, p: float, salt: int = SALT_DROP, *, device=None) -> torch.Tensor:
     """(B,) bool: True where the condition is dropped (classifier-free guidance training)."""
     return per_sample_rand(seeds, salt, device=device, dtype=torch.float64) < p
+
+
+def drop_captions(captions, seeds, p: float) -> list[str]:
+    """Captions with those of drop_mask replaced by "" (the unconditional caption for CFG)."""
+    captions = list(captions)
+    if p <= 0:
+        return captions
+    return ["" if d else c for c, d in zip(captions, drop_mask(seeds, p).tolist())]
+

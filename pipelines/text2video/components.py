@@ -97,11 +97,7 @@ def make_step_fns(comp: Components, device):
     @torch.no_grad()
     def prepare(batch):
         seeds = sample_seeds(cfg.run.seed, batch["__position__"])
-        captions = list(batch["caption"])
-        if cfg.diffusion.cfg_dropout > 0:
-            drop = dnoise.drop_mask(seeds, cfg.diffusion.cfg_dropout).tolist()
-            captions = ["" if d else c for c, d in zip(captions, drop)]
-        context, mask = comp.text_encoder(captions)
+        context, mask = comp.text_encoder(dnoise.drop_captions(batch["caption"], seeds, cfg.diffusion.cfg_dropout))
         x0 = batch["video"].to(device)
         tokens = comp.model.cfg.tokens(*x0.shape[-3:])
         x_t, t, target = comp.objective.training_example(x0, seeds, num_tokens=tokens)
