@@ -1,6 +1,14 @@
-"""Builds the pieces of a text2video run from its config: VideoDiT, frozen text tower,
-rectified-flow objective, the training loss, the sampler and the MP4/GIF writers. Shared by
-train, sample and eval. Pixel space only (a video VAE is not wired in yet)."""
+"""Builds the pieces of a text2video run from its config: VideoDiT, frozen text tower, optional
+frozen video VAE, rectified-flow objective, the training loss, the sampler and the MP4/GIF
+writers. Shared by train, sample and eval.
+
+Pixel space (vae.path empty): the VideoDiT sees (3, frames, H, W) clips in [-1, 1].
+Latent space (vae.path set, pipelines/text2video/vae.py): the loader still decodes PIXEL clips
+of model.frames x image_size x image_width (Components.pixel_clip_shape; buckets are pixel
+sizes too, Components.clip_tokens converts them to token counts); prepare() encodes them on the
+fly (no grad, posterior mean, normalised) and generate() decodes sampled latents back to pixels.
+The VideoDiT's config holds the LATENT shape (C, T', H', W').
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -19,6 +27,7 @@ from common.diffusion.samplers import euler_sample
 from pipelines.text2image.components import check_run_dir, sample_seeds  # noqa: F401 (re-export)
 from pipelines.text2video.config import T2VConfig
 from pipelines.text2video.model import TextEncoder, TextEncoderConfig, VideoDiT, video_dit_config
+from pipelines.text2video.vae import VideoVae
 
 PIPELINE = "text2video"
 
@@ -29,6 +38,7 @@ class Components:
     model: VideoDiT
     text_encoder: TextEncoder
     objective: RectifiedFlow
+    vae: VideoVae | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -36,8 +46,27 @@ class Components:
 
     @property
     def clip_shape(self) -> tuple[int, int, int, int]:
+        """Model-space (C, T, H, W): pixels, or latents with a VAE."""
         c = self.model.cfg
         return c.in_channels, c.frames, c.height, c.width
+
+    @property
+    def pixel_clip_shape(self) -> tuple[int, int, int]:
+        """(frames, height, width) of the PIXEL clips the loader must decode (= model input without a VAE)."""
+        return pixel_clip_shape(self.cfg)
+
+    def model_shape(self, frames: int, height: int, width: int) -> tuple[int, int, int]:
+        """Model-space (T, H, W) of a pixel clip shape; ConfigError if the VAE cannot encode it."""
+        return (frames, height, width) if self.vae is None else self.vae.latent_shape(frames, height, width)[1:]
+
+    def clip_tokens(self, shape) -> int:
+        """Tokens of a PIXEL clip shape (frames, h, w): the loader's bucket cost (pass as `tokens=`)."""
+        return self.model.cfg.tokens(*self.model_shape(*shape))
+
+
+def pixel_clip_shape(cfg: T2VConfig) -> tuple[int, int, int]:
+    m = cfg.model
+    return m.frames, m.image_size, m.image_width or m.image_size
 
 
 def model_overrides(cfg: T2VConfig) -> dict:
@@ -56,10 +85,37 @@ def build_objective(cfg: T2VConfig) -> RectifiedFlow:
                          shift=d.shift or None, base_shift=d.base_shift, base_tokens=d.base_tokens)
 
 
+def load_vae(cfg: T2VConfig) -> VideoVae | None:
+    """The frozen VAE (None: pixel space), after checking the pixel clip and buckets fit it."""
+    if not cfg.vae.path:
+        return None
+    vae = VideoVae(cfg.vae.path, cfg.vae.kind, cfg.vae.scaling_factor)
+    frames, h, w = pixel_clip_shape(cfg)
+    try:
+        vae.latent_shape(frames, h, w)
+    except ConfigError as e:
+        raise ConfigError(f"model.frames/image_size/image_width (pixel clip {frames}x{h}x{w}) with vae.path: {e}") from None
+    for b in cfg.data.buckets:
+        try:
+            vae.latent_shape(*(int(v) for v in b))
+        except ConfigError as e:
+            raise ConfigError(f"data.buckets {list(b)} (pixel sizes) with vae.path: {e}") from None
+    m = cfg.model.in_channels
+    if m != 3 and m != vae.latent_channels:
+        raise ConfigError(f"model.in_channels={m} but the VAE has {vae.latent_channels} latent channels "
+                          f"(leave it at 3 or set it to {vae.latent_channels})")
+    return vae
+
+
 def build(cfg: T2VConfig) -> Components:
     # Seeded apart from the global RNG (salts as text2image's), so every rank, resume and
     # sample.py rebuild the same frozen tower and the same initial VideoDiT.
     with torch.random.fork_rng(devices=[]):
+        vae = load_vae(cfg)  # inside fork_rng: a diffusers load may draw from the global RNG
+        overrides = model_overrides(cfg)
+        if vae is not None:  # the VideoDiT works on latents
+            c, t, h, w = vae.latent_shape(*pixel_clip_shape(cfg))
+            overrides.update(frames=t, height=h, width=w, in_channels=c)
         torch.manual_seed(dnoise.mix_seed(cfg.run.seed, 101))
         text = TextEncoder(TextEncoderConfig(width=cfg.text.width, layers=cfg.text.layers, heads=cfg.text.heads,
                                              context_length=cfg.text.context_length, weights=cfg.text.weights or None,
@@ -67,11 +123,13 @@ def build(cfg: T2VConfig) -> Components:
         torch.manual_seed(dnoise.mix_seed(cfg.run.seed, 102))
         try:
             vcfg = video_dit_config(cfg.model.preset, text_dim=cfg.text.width, text_len=cfg.text.context_length,
-                                    **model_overrides(cfg))
+                                    **overrides)
         except ValueError as e:
             raise ConfigError(f"model: {e}") from None
         if vcfg.height % vcfg.patch_size or vcfg.width % vcfg.patch_size:
-            raise ConfigError(f"frame {vcfg.height}x{vcfg.width} (model.image_size x model.image_width) is not "
+            what = "model.image_size x model.image_width" if vae is None else \
+                f"latents of model.image_size x model.image_width / VAE factor {vae.spatial_factor}"
+            raise ConfigError(f"frame {vcfg.height}x{vcfg.width} ({what}) is not "
                               f"divisible by model.patch_size={vcfg.patch_size}")
         if vcfg.hidden % vcfg.heads:
             raise ConfigError(f"model.hidden={vcfg.hidden} is not divisible by model.heads={vcfg.heads}")
@@ -79,13 +137,16 @@ def build(cfg: T2VConfig) -> Components:
             model = VideoDiT(vcfg)
         except ValueError as e:
             raise ConfigError(f"model: {e}") from None
-    return Components(cfg, model, text, build_objective(cfg))
+    return Components(cfg, model, text, build_objective(cfg), vae)
 
 
 def signature(cfg: T2VConfig, comp: Components) -> dict:
     """What must match for a checkpoint to load into this run (checked before any tensor is read)."""
-    return {"pipeline": PIPELINE, "model": dataclasses.asdict(comp.model.cfg),
-            "text": {k: v for k, v in dataclasses.asdict(cfg.text).items() if k != "weights"}}
+    sig = {"pipeline": PIPELINE, "model": dataclasses.asdict(comp.model.cfg),
+           "text": {k: v for k, v in dataclasses.asdict(cfg.text).items() if k != "weights"}}
+    if comp.vae is not None:  # the latent space: VAE class, factors, normalisation, latent clip shape
+        sig["vae"] = {**comp.vae.describe(), "latent_shape": list(comp.clip_shape)}
+    return sig  # (pixel-space runs keep the signature they always had)
 
 
 def make_step_fns(comp: Components, device):
@@ -93,12 +154,16 @@ def make_step_fns(comp: Components, device):
     seeded per sample), clips (B, C, T, H, W) -> the flow training example, whose shift follows
     the clip's token count (longer or larger clips keep more signal at a given t)."""
     cfg = comp.cfg
+    if comp.vae is not None:
+        comp.vae.to(device)
 
     @torch.no_grad()
     def prepare(batch):
         seeds = sample_seeds(cfg.run.seed, batch["__position__"])
         context, mask = comp.text_encoder(dnoise.drop_captions(batch["caption"], seeds, cfg.diffusion.cfg_dropout))
         x0 = batch["video"].to(device)
+        if comp.vae is not None:  # pixel clips -> normalised latents (posterior mean: deterministic)
+            x0 = comp.vae.encode(x0).to(x0.dtype)
         tokens = comp.model.cfg.tokens(*x0.shape[-3:])
         x_t, t, target = comp.objective.training_example(x0, seeds, num_tokens=tokens)
         return (x_t, t, context.to(device), mask.to(device)), target
@@ -112,11 +177,19 @@ def make_step_fns(comp: Components, device):
 @torch.no_grad()
 def generate(comp: Components, model: VideoDiT, prompts: list[str], seeds: list[int], *, steps: int, guidance: float,
              frames: int | None = None, device=torch.device("cpu"), batch_size: int = 8) -> torch.Tensor:
-    """uint8 clips (N, T, H, W, 3). Clip i depends only on (prompts[i], seeds[i])."""
+    """uint8 clips (N, T, H, W, 3) in pixels. Clip i depends only on (prompts[i], seeds[i]).
+    frames: PIXEL frames (default model.frames; with a causal VAE 1 + k * its temporal factor)."""
     was_training = model.training
     model.eval()
     c, t_def, h, w = comp.clip_shape
-    shape_tail = (c, frames or t_def, h, w)
+    pf, ph, pw = comp.pixel_clip_shape
+    if comp.vae is not None:
+        comp.vae.to(device)
+        t_lat = comp.vae.latent_frames(frames) if frames else t_def
+        pf = comp.vae.pixel_frames(t_lat)
+    else:
+        t_lat = pf = frames or t_def
+    shape_tail = (c, t_lat, h, w)
     tokens = comp.model.cfg.tokens(*shape_tail[1:])
     empty_ctx, empty_mask = comp.text_encoder([""])
     out = []
@@ -132,9 +205,11 @@ def generate(comp: Components, model: VideoDiT, prompts: list[str], seeds: list[
         x = euler_sample(model_fn, noise.shape, cond=(ctx, mask), uncond=(uctx, umask) if guidance != 1.0 else None,
                          guidance=guidance, num_steps=steps, noise=noise, device=device,
                          shift=comp.objective.shift_for(tokens))
+        if comp.vae is not None:
+            x = comp.vae.decode(x)  # normalised latents -> pixels (B, 3, T, H, W)
         out.append(to_uint8(x))
     model.train(was_training)
-    return torch.cat(out) if out else torch.empty(0, shape_tail[1], h, w, 3, dtype=torch.uint8)
+    return torch.cat(out) if out else torch.empty(0, pf, ph, pw, 3, dtype=torch.uint8)
 
 
 def to_uint8(x: torch.Tensor) -> torch.Tensor:

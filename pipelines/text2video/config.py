@@ -1,7 +1,10 @@
 """The text2video run configuration: the shared sections from common.config plus this pipeline's.
 
-The text tower and diffusion sections are text2image's (same captions, same objective); only
-the model and sample sections are video specific.
+The text tower and diffusion sections are text2image's (same captions, same objective); the
+model, video, vae and sample sections are video specific. Training runs in pixel space
+(vae.path empty) or in the latent space of a frozen diffusers video VAE (vae.path set; see
+pipelines/text2video/vae.py): model.frames / image_size / image_width then give the PIXEL clip
+the loader decodes, and the VideoDiT sees the VAE's latent shape.
 """
 from __future__ import annotations
 
@@ -14,9 +17,11 @@ from pipelines.text2image.config import TextConfig
 @dataclass
 class ModelConfig:
     preset: str = doc("tiny", "tiny | S | B | XL: VideoDiT size; the fields below override the preset where set (> 0)")
-    frames: int = doc(8, "frames per training clip (model input, after any VAE)")
-    image_size: int = doc(32, "frame height (model input: pixels, or latents at scale)")
-    image_width: int = doc(0, "frame width (0: image_size, square frames)")
+    frames: int = doc(8, "PIXEL frames per training clip (with vae.path and a causal video VAE: 1 + k * its "
+                         "temporal factor, e.g. 5, 9, 17, ... 129 for 4x, giving 1 + k latent frames)")
+    image_size: int = doc(32, "PIXEL frame height (with vae.path: divisible by the VAE's spatial factor; the model "
+                              "sees image_size / factor latents)")
+    image_width: int = doc(0, "PIXEL frame width (0: image_size, square frames)")
     patch_size: int = doc(0, "spatial patch size (0: preset)")
     temporal_patch: int = doc(0, "temporal patch size (0: preset)")
     hidden: int = doc(0, "transformer width (0: preset)")
@@ -25,8 +30,8 @@ class ModelConfig:
     mlp_ratio: float = doc(0.0, "MLP hidden / width (0: preset)")
     attention: str = doc("full", "full (all T*H*W tokens; context parallel capable) | factorized (spatial / "
                                  "temporal blocks alternating; one device only)")
-    in_channels: int = doc(3, "model input channels: 3 = RGB pixel space (this version trains in pixel space "
-                              "only; 16 is the video-VAE latent width of the at-scale presets)")
+    in_channels: int = doc(3, "model input channels: 3 = RGB pixel space; with vae.path the VAE's latent "
+                              "channels are used (a value other than 3 is then checked against them, e.g. 16)")
 
 
 @dataclass
@@ -34,6 +39,17 @@ class VideoDataConfig:
     source: str = doc("auto", "auto: npy frames when a sample has them, else mp4 | mp4 | npy")
     images: bool = doc(True, "decode png/jpg samples as one-frame videos (joint image-video training needs "
                              "data.buckets with a [1, h, w] bucket)")
+
+
+@dataclass
+class VideoVaeConfig:
+    path: str = doc("", "local diffusers VAE folder (save_pretrained layout); empty: train in pixel space. Checked "
+                        "when the run is built, not when the config is parsed")
+    kind: str = doc("auto", "auto (the folder's config.json _class_name) | wan (AutoencoderKLWan) | cogvideox "
+                            "(AutoencoderKLCogVideoX) | image (AutoencoderKL, applied frame by frame)")
+    scaling_factor: float = doc(0.0, "latent scale (0: the VAE's own normalisation: Wan per-channel "
+                                     "(z - latents_mean) / latents_std, others (z - shift_factor) * scaling_factor); "
+                                     "> 0: this scalar replaces the scale, the shift is kept")
 
 
 @dataclass
@@ -68,6 +84,7 @@ class T2VConfig:
     model: ModelConfig = doc(factory=ModelConfig, help="the VideoDiT")
     video: VideoDataConfig = doc(factory=VideoDataConfig, help="clip decoding")
     text: TextConfig = doc(factory=TextConfig, help="the frozen open_clip text tower")
+    vae: VideoVaeConfig = doc(factory=VideoVaeConfig, help="optional latent space (a frozen video VAE)")
     diffusion: DiffusionConfig = doc(factory=DiffusionConfig, help="rectified-flow training objective")
     sample: SampleConfig = doc(factory=SampleConfig, help="sample videos")
 
@@ -87,12 +104,15 @@ class T2VConfig:
                    "optim.schedule": (self.optim.schedule, ("cosine", "constant")),
                    "model.preset": (self.model.preset, ("tiny", "S", "B", "XL")),
                    "model.attention": (self.model.attention, ("full", "factorized")),
-                   "video.source": (self.video.source, ("auto", "mp4", "npy"))}
+                   "video.source": (self.video.source, ("auto", "mp4", "npy")),
+                   "vae.kind": (self.vae.kind, ("auto", "wan", "cogvideox", "image"))}
         for key, (value, allowed) in choices.items():
             if value not in allowed:
                 raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
         if not 0.0 <= self.diffusion.cfg_dropout < 1.0:
             raise ConfigError(f"diffusion.cfg_dropout={self.diffusion.cfg_dropout} must be in [0, 1)")
+        if self.vae.scaling_factor < 0:
+            raise ConfigError(f"vae.scaling_factor={self.vae.scaling_factor} must be >= 0 (0: the VAE's own)")
         if self.model.image_width < 0:
             raise ConfigError(f"model.image_width={self.model.image_width} must be >= 0")
         for b in self.data.buckets:

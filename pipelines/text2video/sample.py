@@ -4,6 +4,8 @@
          [--num N] [--steps S] [--cfg W] [--seed K] [--frames T] [--fps F] [--scale K]
 
 Writes one MP4 and one GIF per clip, index.jsonl (file -> prompt, seed) and grid.mp4 / grid.gif.
+A latent-space run (vae.path in its config.yaml) reloads the VAE from that folder and decodes the
+sampled latents to pixels; the checkpoint's signature must match that VAE's latent space.
 """
 from __future__ import annotations
 
@@ -41,7 +43,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None, help="sampler steps (default: the run's sample.steps)")
     p.add_argument("--cfg", type=float, default=None, help="guidance weight (default: the run's sample.cfg)")
     p.add_argument("--seed", type=int, default=0, help="seed of the first clip; clip i uses seed + i")
-    p.add_argument("--frames", type=int, default=None, help="frames per clip (default: the run's model.frames)")
+    p.add_argument("--frames", type=int, default=None,
+                   help="pixel frames per clip (default: the run's model.frames; with a causal video VAE "
+                        "1 + k * its temporal factor, e.g. 5, 9, 17 for Wan)")
     p.add_argument("--fps", type=float, default=None, help="frame rate of the files (default: the run's sample.fps)")
     p.add_argument("--scale", type=int, default=None, help="nearest upscale of the files (default: sample.scale)")
     p.add_argument("--checkpoint", default=None, help="a specific checkpoint directory (default: latest)")

@@ -38,10 +38,10 @@ def main(argv=None) -> int:
     flops_per_sample = comp.model.flops_per_sample()
     pm = parallelize(comp.model, cfg.parallel, info, microbatches=cfg.train.grad_accum, criterion=criterion)
     mc = comp.model.cfg
-    decoder = ClipDecoder(cfg.model.frames, (mc.height, mc.width), cfg.video.source, cfg.video.images)
+    decoder = ClipDecoder(comp.pixel_clip_shape[0], comp.pixel_clip_shape[1:], cfg.video.source, cfg.video.images)
     # Buckets are (frames, h, w); their token count decides the per-bucket batch size.
     loader = StreamingLoader.from_config(cfg.data, decoder, dp_rank=pm.dp_rank, dp_size=pm.dp_size, seed=cfg.run.seed,
-                                         tokens=lambda s: mc.tokens(*s))
+                                         tokens=comp.clip_tokens)
     prompts = [c for c, _ in first_examples(cfg.data.eval_shards, cfg.sample.num)] if cfg.data.eval_shards and cfg.sample.num else []
     config_yaml = to_yaml(cfg)
     if info.is_main:
