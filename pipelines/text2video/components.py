@@ -75,7 +75,7 @@ def model_overrides(cfg: T2VConfig) -> dict:
               "heads": m.heads, "mlp_ratio": m.mlp_ratio}
     out = {k: v for k, v in fields.items() if v}
     out.update(frames=m.frames, height=m.image_size, width=m.image_width or m.image_size, in_channels=m.in_channels,
-               attention=m.attention)
+               attention=m.attention, abs_pos=m.abs_pos)
     return out
 
 

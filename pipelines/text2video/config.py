@@ -30,6 +30,9 @@ class ModelConfig:
     mlp_ratio: float = doc(0.0, "MLP hidden / width (0: preset)")
     attention: str = doc("full", "full (all T*H*W tokens; context parallel capable) | factorized (spatial / "
                                  "temporal blocks alternating; one device only)")
+    abs_pos: str = doc("spatial", "absolute position table added to the tokens: spatial (2-D sin-cos per frame; "
+                                  "time only through RoPE) | 3d (sin-cos over t, h, w: tokens know their frame "
+                                  "index) | none (RoPE only)")
     in_channels: int = doc(3, "model input channels: 3 = RGB pixel space; with vae.path the VAE's latent "
                               "channels are used (a value other than 3 is then checked against them, e.g. 16)")
 
@@ -104,6 +107,7 @@ class T2VConfig:
                    "optim.schedule": (self.optim.schedule, ("cosine", "constant")),
                    "model.preset": (self.model.preset, ("tiny", "S", "B", "XL")),
                    "model.attention": (self.model.attention, ("full", "factorized")),
+                   "model.abs_pos": (self.model.abs_pos, ("spatial", "3d", "none")),
                    "video.source": (self.video.source, ("auto", "mp4", "npy")),
                    "vae.kind": (self.vae.kind, ("auto", "wan", "cogvideox", "image"))}
         for key, (value, allowed) in choices.items():
