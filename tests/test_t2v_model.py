@@ -170,6 +170,24 @@ def test_image_tokens_match_text2image_dit_embedding():
     torch.testing.assert_close(video.embed(img[:, :, None], t, ctx)[0], dit.embed(img, t, ctx)[0])
 
 
+@pytest.mark.parametrize("abs_pos", ["spatial", "3d", "none"])
+def test_abs_pos_option_reaches_the_model(abs_pos):
+    """model.abs_pos from the run config builds that table: only '3d' tells the frames apart."""
+    import os
+    from common.config import build_config
+    from pipelines.text2video import components
+    from pipelines.text2video.config import T2VConfig
+    yaml = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pipelines/text2video/configs/tiny.yaml")
+    model = components.build(build_config(T2VConfig, yaml, [f"model.abs_pos={abs_pos}"])).model
+    assert model.cfg.abs_pos == abs_pos
+    pos = model.pos_embed((4, 8, 8))
+    if abs_pos == "none":
+        assert pos is None
+        return
+    frames = pos.view(4, 64, -1)
+    assert not torch.allclose(frames[0], frames[1]) if abs_pos == "3d" else torch.equal(frames[0], frames[3])
+
+
 @pytest.mark.parametrize("overrides", [dict(attention="full"), dict(attention="factorized"),
                                        dict(attention="full", frames=8, temporal_patch=1, patch_size=8)])
 def test_flops_estimate_matches_flop_counter(overrides):

@@ -130,6 +130,18 @@ def test_prepare_builds_clip_flow_examples():
     assert torch.isfinite(loss)
 
 
+def test_denoise_probe_reads_motion_from_lightly_noised_clips_only(video_data):
+    """A fresh VideoDiT predicts v = 0 (zero final layer), so the probe's one-step prediction is
+    x_t itself: motion is readable at t = 0.02 and not from pure noise (t = 1)."""
+    from common.config import build_config
+    from pipelines.text2video import components
+    from pipelines.text2video.config import T2VConfig
+    from pipelines.text2video.eval import denoise_probe
+    comp = components.build(build_config(T2VConfig, TINY_YAML, SMALL_MODEL))
+    acc = denoise_probe(comp, comp.model, f"{video_data}/train", 16, [0.02, 1.0])
+    assert acc[0.02] >= 0.9 and acc[1.0] <= 0.5, acc
+
+
 # --------------------------------------------------------------------------- end to end
 @pytest.mark.slow
 def test_run_dir_layout_mp4_sample_and_clis(video_data, tmp_path):
