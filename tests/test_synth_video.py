@@ -10,7 +10,7 @@ import pytest
 import webdataset as wds
 
 from data import shapes as S
-from data import synth
+from data import synth, synth_video
 from data.motion_analysis import analyse, score
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,7 +40,7 @@ def _tree(d):
 def clips(tmp_path_factory):
     """200 clips (160 train + 40 held-out), 8/12/16 frames, stored as both mp4 and npy."""
     out = str(tmp_path_factory.mktemp("vid"))
-    summary = synth.generate_video(out, count=160, heldout_count=40, size=32, frames=[8, 12, 16],
+    summary = synth_video.generate_video(out, count=160, heldout_count=40, size=32, frames=[8, 12, 16],
                                    shard_size=64, seed=5, fmt="both")  # fmt: skip
     samples = _read(out)
     return out, summary, samples
@@ -60,10 +60,10 @@ def test_counts_splits_and_format(clips):
         assert ((a["shape"], a["colour"]) in held) == (a["split"] == "heldout")
         cap = s["txt"].decode()
         assert cap == a["caption"] and a["shape"] in cap and a["colour"] in cap
-        assert synth.MOTIONS[a["motion"]][a["phrase"]] in cap
+        assert synth_video.MOTIONS[a["motion"]][a["phrase"]] in cap
         raw = np.load(io.BytesIO(s["npy"]))
         assert raw.dtype == np.uint8 and raw.shape == (a["frames"], a["height"], a["width"], 3)
-        assert np.array_equal(raw, synth.render_video(a))  # json alone reproduces the frames
+        assert np.array_equal(raw, synth_video.render_video(a))  # json alone reproduces the frames
         assert a["duration"] == a["frames"] / a["fps"] and a["codec"] in ("libx264", "mpeg4")
         m = _decode_mp4(s["mp4"])
         assert m.shape == raw.shape
@@ -76,13 +76,13 @@ def test_counts_splits_and_format(clips):
                 "growing": dr > 0.08, "shrinking": dr < -0.08,
                 "static": dx == dy == dr == 0}[mv]  # fmt: skip
     assert {json.loads(s["json"])["frames"] for s in samples} == {8, 12, 16}
-    assert {json.loads(s["json"])["motion"] for s in samples} == set(synth.MOTIONS)
+    assert {json.loads(s["json"])["motion"] for s in samples} == set(synth_video.MOTIONS)
 
 
 def test_shape_stays_inside_with_margin():
     for i in range(300):
-        a = synth.video_attrs("train", i, 3, sizes=(32, 48), frames=(8, 16))
-        for cx, cy, r in synth.frame_params(a):
+        a = synth_video.video_attrs("train", i, 3, sizes=(32, 48), frames=(8, 16))
+        for cx, cy, r in synth_video.frame_params(a):
             m = 1.5 / a["height"] - 1e-6
             assert r + m <= cx <= 1 - r - m and r + m <= cy <= 1 - r - m
 
@@ -91,17 +91,17 @@ def test_deterministic_bytes_and_variable_sizes(tmp_path):
     kw = dict(count=14, heldout_count=4, size=[32, 48], frames=[8, 12], shard_size=6, seed=1)
     for fmt in ("mp4", "npy"):
         a, b = str(tmp_path / f"a{fmt}"), str(tmp_path / f"b{fmt}")
-        synth.generate_video(a, fmt=fmt, **kw)
-        synth.generate_video(b, fmt=fmt, **kw)
+        synth_video.generate_video(a, fmt=fmt, **kw)
+        synth_video.generate_video(b, fmt=fmt, **kw)
         ta, tb = _tree(a), _tree(b)
         assert ta == tb and len(ta) == 3 + 1 + 1  # train: 3 shards, heldout: 1, manifest
         samples = _read(a)
         assert {fmt, "txt", "json"} <= set(samples[0]) and ({"mp4", "npy"} - {fmt}).isdisjoint(samples[0])
         assert {json.loads(s["json"])["height"] for s in samples} == {32, 48}
     # Another seed gives other clips; a sample does not depend on the count.
-    assert synth.video_attrs("train", 3, 1) != synth.video_attrs("train", 3, 2)
+    assert synth_video.video_attrs("train", 3, 1) != synth_video.video_attrs("train", 3, 2)
     small = _read(str(tmp_path / "anpy"), "train")
-    synth.generate_video(str(tmp_path / "c"), fmt="npy", **{**kw, "count": 7})
+    synth_video.generate_video(str(tmp_path / "c"), fmt="npy", **{**kw, "count": 7})
     assert [s["npy"] for s in _read(str(tmp_path / "c"), "train")] == [s["npy"] for s in small[:7]]
 
 
@@ -109,8 +109,8 @@ def test_invalid_args(tmp_path):
     for bad in (dict(size=33), dict(size=8), dict(frames=1), dict(fmt="gif"), dict(motions=["spin"]),
                 dict(count=-1)):  # fmt: skip
         with pytest.raises(ValueError):
-            synth.generate_video(str(tmp_path), **{"count": 2, "heldout_count": 0, "size": 32, **bad})
-    synth.generate_video(str(tmp_path / "odd"), count=1, heldout_count=0, size=33, fmt="npy")  # raw allows odd
+            synth_video.generate_video(str(tmp_path), **{"count": 2, "heldout_count": 0, "size": 32, **bad})
+    synth_video.generate_video(str(tmp_path / "odd"), count=1, heldout_count=0, size=33, fmt="npy")  # raw allows odd
 
 
 def test_cli_and_ensure(tmp_path):
@@ -120,9 +120,9 @@ def test_cli_and_ensure(tmp_path):
     samples = _read(out)
     assert len(samples) == 7 and all("npy" in s and "mp4" not in s for s in samples)
     assert {json.loads(s["json"])["motion"] for s in samples} <= {"up", "down"}
-    r = synth.ensure_video(out, count=5, heldout_count=2, frames=[8, 12], motions=["up", "down"], fmt="npy")
+    r = synth_video.ensure_video(out, count=5, heldout_count=2, frames=[8, 12], motions=["up", "down"], fmt="npy")
     assert r["seconds"] == 0.0  # reused
-    r = synth.ensure_video(out, count=6, heldout_count=2, frames=[8, 12], motions=["up", "down"], fmt="npy")
+    r = synth_video.ensure_video(out, count=6, heldout_count=2, frames=[8, 12], motions=["up", "down"], fmt="npy")
     assert r["counts"]["train"] == 6 and r["seconds"] > 0
 
 
@@ -143,8 +143,8 @@ def test_analyser_accuracy_raw_and_mp4(clips):
 
 
 def test_analyser_inputs_and_failures():
-    a = synth.video_attrs("train", 2, 0, frames=(8,))
-    clip = synth.render_video(a)
+    a = synth_video.video_attrs("train", 2, 0, frames=(8,))
+    clip = synth_video.render_video(a)
     r = analyse(clip)
     assert r["confident"] and (r["motion"], r["shape"], r["colour"]) == (a["motion"], a["shape"], a["colour"])
     assert r["background"] == a["background"]

@@ -185,7 +185,7 @@ def test_shipped_t2v_configs_parse(name):
 # --------------------------------------------------------------------------- end to end
 @pytest.fixture(scope="module")
 def video5_data(tmp_path_factory):
-    from data.synth import generate_video
+    from data.synth_video import generate_video
     out = tmp_path_factory.mktemp("synth_video5")
     generate_video(str(out), count=8, heldout_count=2, size=32, frames=5, shard_size=8, seed=0)
     return str(out)

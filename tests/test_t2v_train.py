@@ -26,7 +26,7 @@ SMALL_MODEL = ["model.hidden=32", "model.depth=2", "model.heads=2", "text.width=
 
 @pytest.fixture(scope="module")
 def video_data(tmp_path_factory):
-    from data.synth import generate_video
+    from data.synth_video import generate_video
     out = tmp_path_factory.mktemp("synth_video")
     generate_video(str(out), count=32, heldout_count=4, size=32, frames=8, shard_size=8, seed=0)
     return str(out)
