@@ -116,6 +116,25 @@ class ParallelConfig:
     compile: bool = doc(False, "torch.compile each block (inductor; needs a C++ compiler on CPU)")
 
 
+# --------------------------------------------------------------------------- validation
+def check_run_config(cfg, positive: dict, choices: dict) -> None:
+    """The checks every pipeline's run config shares (data, train, optim sections), then the
+    pipeline's own: `positive` maps "section.key" -> value that must be > 0, `choices` maps
+    "section.key" -> (value, allowed values). Raises ConfigError naming the first bad key."""
+    positive = {"data.micro_batch_size": cfg.data.micro_batch_size, "train.steps": cfg.train.steps,
+                "train.grad_accum": cfg.train.grad_accum, "train.log_every": cfg.train.log_every,
+                "train.ckpt_every": cfg.train.ckpt_every, **positive}
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key}={value} must be > 0")
+    if cfg.data.num_workers < 0:
+        raise ConfigError(f"data.num_workers={cfg.data.num_workers} must be >= 0")
+    choices = {"optim.schedule": (cfg.optim.schedule, ("cosine", "constant")), **choices}
+    for key, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+
+
 # --------------------------------------------------------------------------- loading
 def _all_keys(node, prefix: str = "") -> list[str]:
     keys = []

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from common import dist as mdist
 from common.checkpoint import CheckpointManager
+from common.config import to_yaml
 from common.ema import EMA
 from common.metrics import MetricsLogger, measure_matmul_peak, memory_stats
 from common.parallel.grads import clip_grads
@@ -68,7 +69,7 @@ def build_optimizer(model: torch.nn.Module, optim_cfg) -> torch.optim.Optimizer:
 class Trainer:
     def __init__(self, cfg, info: mdist.DistInfo, pm: ParallelModel,
                  prepare: Callable[[dict], tuple[tuple, Any]], criterion: Callable[[Any, Any], torch.Tensor],
-                 loader, *, signature: dict[str, Any], config_yaml: str,
+                 loader, *, signature: dict[str, Any],
                  frozen: dict[str, torch.nn.Module] | None = None,
                  sample_fn: Callable[[torch.nn.Module, int], None] | None = None,
                  flops_per_sample: float = 0.0):
@@ -77,7 +78,11 @@ class Trainer:
         self.prepare, self.criterion = prepare, criterion
         self.loader, self.sample_fn = loader, sample_fn
         self.flops_per_sample = flops_per_sample
-        self.config_yaml = config_yaml
+        self.config_yaml = to_yaml(cfg)  # written to the run dir now, and into every checkpoint
+        if info.is_main:
+            os.makedirs(cfg.run.dir, exist_ok=True)
+            with open(os.path.join(cfg.run.dir, "config.yaml"), "w") as f:
+                f.write(self.config_yaml)
         self.frozen = frozen or {}
         self.optimizer = build_optimizer(model, cfg.optim)
         self.params = [p for p in model.parameters() if p.requires_grad]

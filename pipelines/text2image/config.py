@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import (ConfigError, DataConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig, doc)
+from common.config import (ConfigError, DataConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig,
+                           check_run_config, doc)
 
 
 @dataclass
@@ -70,23 +71,15 @@ class T2IConfig:
     sample: SampleConfig = doc(factory=SampleConfig, help="sample grids")
 
     def validate(self) -> None:
-        positive = {"data.micro_batch_size": self.data.micro_batch_size, "train.steps": self.train.steps,
-                    "train.grad_accum": self.train.grad_accum, "train.log_every": self.train.log_every,
-                    "train.ckpt_every": self.train.ckpt_every, "model.image_size": self.model.image_size,
-                    "sample.steps": self.sample.steps, "text.context_length": self.text.context_length}
-        for key, value in positive.items():
-            if value <= 0:
-                raise ConfigError(f"{key}={value} must be > 0")
-        if self.data.num_workers < 0:
-            raise ConfigError(f"data.num_workers={self.data.num_workers} must be >= 0")
-        choices = {"diffusion.objective": (self.diffusion.objective, ("flow", "ddpm")),
-                   "diffusion.timesteps": (self.diffusion.timesteps, ("logit_normal", "uniform")),
-                   "diffusion.ddpm_prediction": (self.diffusion.ddpm_prediction, ("eps", "v")),
-                   "diffusion.ddpm_schedule": (self.diffusion.ddpm_schedule, ("linear", "cosine")),
-                   "optim.schedule": (self.optim.schedule, ("cosine", "constant")),
-                   "model.preset": (self.model.preset, ("tiny", "S", "B", "XL"))}
-        for key, (value, allowed) in choices.items():
-            if value not in allowed:
-                raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+        check_run_config(self, positive={
+            "model.image_size": self.model.image_size, "sample.steps": self.sample.steps,
+            "text.context_length": self.text.context_length,
+        }, choices={
+            "diffusion.objective": (self.diffusion.objective, ("flow", "ddpm")),
+            "diffusion.timesteps": (self.diffusion.timesteps, ("logit_normal", "uniform")),
+            "diffusion.ddpm_prediction": (self.diffusion.ddpm_prediction, ("eps", "v")),
+            "diffusion.ddpm_schedule": (self.diffusion.ddpm_schedule, ("linear", "cosine")),
+            "model.preset": (self.model.preset, ("tiny", "S", "B", "XL")),
+        })
         if not 0.0 <= self.diffusion.cfg_dropout < 1.0:
             raise ConfigError(f"diffusion.cfg_dropout={self.diffusion.cfg_dropout} must be in [0, 1)")

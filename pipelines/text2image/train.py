@@ -15,7 +15,7 @@ import torch
 
 from common import dist as mdist
 from common.cli import run_cli
-from common.config import ConfigError, parse_cli, to_yaml
+from common.config import ConfigError, parse_cli
 from common.data import StreamingLoader
 from common.trainer import Trainer
 from pipelines.text2image import components
@@ -45,11 +45,7 @@ def main(argv=None) -> int:
                                          dp_rank=pm.dp_rank, dp_size=pm.dp_size, seed=cfg.run.seed)
     # The sample grid shows held-out captions: colour/shape pairs never seen together in training.
     prompts = [c for c, _ in first_examples(cfg.data.eval_shards, cfg.sample.num)] if cfg.data.eval_shards else []
-    config_yaml = to_yaml(cfg)
     if info.is_main:
-        os.makedirs(cfg.run.dir, exist_ok=True)
-        with open(os.path.join(cfg.run.dir, "config.yaml"), "w") as f:
-            f.write(config_yaml)
         print(f"text2image: DiT {n_params / 1e6:.2f}M params, {comp.num_tokens} tokens/sample, "
               f"{loader.num_samples} training samples, world size {info.world_size} [{pm.dims.describe}], "
               f"device {info.device}", flush=True)
@@ -67,7 +63,7 @@ def main(argv=None) -> int:
                 f.write("\n".join(prompts) + "\n")
 
     trainer = Trainer(cfg, info, pm, prepare, criterion, loader,
-                      signature=components.signature(cfg, comp), config_yaml=config_yaml,
+                      signature=components.signature(cfg, comp),
                       frozen={"text_encoder": comp.text_encoder}, sample_fn=sample_fn,
                       flops_per_sample=flops_per_sample)
     summary = trainer.fit()

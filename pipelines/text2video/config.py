@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import (ConfigError, DataConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig, doc)
+from common.config import (ConfigError, DataConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig,
+                           check_run_config, doc)
 from pipelines.text2image.config import TextConfig
 
 
@@ -92,27 +93,18 @@ class T2VConfig:
     sample: SampleConfig = doc(factory=SampleConfig, help="sample videos")
 
     def validate(self) -> None:
-        positive = {"data.micro_batch_size": self.data.micro_batch_size, "train.steps": self.train.steps,
-                    "train.grad_accum": self.train.grad_accum, "train.log_every": self.train.log_every,
-                    "train.ckpt_every": self.train.ckpt_every, "model.image_size": self.model.image_size,
-                    "model.frames": self.model.frames, "model.in_channels": self.model.in_channels, "sample.steps": self.sample.steps,
-                    "sample.fps": self.sample.fps, "sample.scale": self.sample.scale,
-                    "text.context_length": self.text.context_length}
-        for key, value in positive.items():
-            if value <= 0:
-                raise ConfigError(f"{key}={value} must be > 0")
-        if self.data.num_workers < 0:
-            raise ConfigError(f"data.num_workers={self.data.num_workers} must be >= 0")
-        choices = {"diffusion.timesteps": (self.diffusion.timesteps, ("logit_normal", "uniform")),
-                   "optim.schedule": (self.optim.schedule, ("cosine", "constant")),
-                   "model.preset": (self.model.preset, ("tiny", "S", "B", "XL")),
-                   "model.attention": (self.model.attention, ("full", "factorized")),
-                   "model.abs_pos": (self.model.abs_pos, ("spatial", "3d", "none")),
-                   "video.source": (self.video.source, ("auto", "mp4", "npy")),
-                   "vae.kind": (self.vae.kind, ("auto", "wan", "cogvideox", "image"))}
-        for key, (value, allowed) in choices.items():
-            if value not in allowed:
-                raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+        check_run_config(self, positive={
+            "model.image_size": self.model.image_size, "model.frames": self.model.frames,
+            "model.in_channels": self.model.in_channels, "sample.steps": self.sample.steps, "sample.fps": self.sample.fps,
+            "sample.scale": self.sample.scale, "text.context_length": self.text.context_length,
+        }, choices={
+            "diffusion.timesteps": (self.diffusion.timesteps, ("logit_normal", "uniform")),
+            "model.preset": (self.model.preset, ("tiny", "S", "B", "XL")),
+            "model.attention": (self.model.attention, ("full", "factorized")),
+            "model.abs_pos": (self.model.abs_pos, ("spatial", "3d", "none")),
+            "video.source": (self.video.source, ("auto", "mp4", "npy")),
+            "vae.kind": (self.vae.kind, ("auto", "wan", "cogvideox", "image")),
+        })
         if not 0.0 <= self.diffusion.cfg_dropout < 1.0:
             raise ConfigError(f"diffusion.cfg_dropout={self.diffusion.cfg_dropout} must be in [0, 1)")
         if self.vae.scaling_factor < 0:

@@ -16,7 +16,7 @@ import torch
 
 from common import dist as mdist
 from common.cli import run_cli
-from common.config import parse_cli, to_yaml
+from common.config import parse_cli
 from common.data import StreamingLoader
 from common.trainer import Trainer
 from pipelines.text2video import components
@@ -43,11 +43,7 @@ def main(argv=None) -> int:
     loader = StreamingLoader.from_config(cfg.data, decoder, dp_rank=pm.dp_rank, dp_size=pm.dp_size, seed=cfg.run.seed,
                                          tokens=comp.clip_tokens)
     prompts = [c for c, _ in first_examples(cfg.data.eval_shards, cfg.sample.num)] if cfg.data.eval_shards and cfg.sample.num else []
-    config_yaml = to_yaml(cfg)
     if info.is_main:
-        os.makedirs(cfg.run.dir, exist_ok=True)
-        with open(os.path.join(cfg.run.dir, "config.yaml"), "w") as f:
-            f.write(config_yaml)
         print(f"text2video: VideoDiT {n_params / 1e6:.2f}M params, {mc.num_tokens} tokens/clip "
               f"({mc.frames}x{mc.height}x{mc.width}, {mc.attention} attention), {loader.num_samples} training samples, "
               f"world size {info.world_size} [{pm.dims.describe}], device {info.device}", flush=True)
@@ -65,7 +61,7 @@ def main(argv=None) -> int:
                 f.write("\n".join(prompts) + "\n")
 
     trainer = Trainer(cfg, info, pm, prepare, criterion, loader,
-                      signature=components.signature(cfg, comp), config_yaml=config_yaml,
+                      signature=components.signature(cfg, comp),
                       frozen={"text_encoder": comp.text_encoder}, sample_fn=sample_fn,
                       flops_per_sample=flops_per_sample)
     summary = trainer.fit()
