@@ -17,7 +17,6 @@ Video mode (`--video`): see `data/synth_video.py`.
 from __future__ import annotations
 
 import argparse
-import glob
 import io
 import json
 import os
@@ -25,17 +24,13 @@ import sys
 import time
 
 import numpy as np
-import webdataset as wds
 from PIL import Image
-from tqdm import tqdm
 
 from data import shapes as S
+from data.synth_common import MANIFEST, RADIUS_JITTER, SPLIT_CODE, SPLITS, article, load_manifest, write_split
+from data.synth_video import MOTIONS, VIDEO_FORMATS, generate_video
 
-SPLITS = ("train", "heldout")
-_SPLIT_CODE = {"train": 0, "heldout": 1}
-MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
-_RADIUS_JITTER = 0.08  # relative; small enough that size names never overlap
 _POS_JITTER = 0.06  # fraction of the image side around the named grid point
 
 # Every template names the colour and the shape; the others add size, position and background so
@@ -56,19 +51,15 @@ TEMPLATES: list[str] = [
 ]
 
 
-def _article(word: str) -> str:
-    return ("an " if word[0] in "aeiou" else "a ") + word
-
-
 def caption(attrs: dict, template: int) -> str:
     """Fill template `template` with a sample's attributes."""
     pos = S.POSITIONS[attrs["position"]][2]
     text = TEMPLATES[template].format(
         colour=attrs["colour"],
-        a_colour=_article(attrs["colour"]),
+        a_colour=article(attrs["colour"]),
         shape=attrs["shape"],
         size=attrs["size"],
-        a_size=_article(attrs["size"]),
+        a_size=article(attrs["size"]),
         background=attrs["background"],
         position=pos,
     )
@@ -81,13 +72,13 @@ def sample_attrs(split: str, index: int, seed: int, size_px: int) -> dict:
     Per-sample generators make a sample independent of `count` and of generation order, so a
     larger dataset extends a smaller one and generation could be split across processes.
     """
-    rng = np.random.default_rng([seed, _SPLIT_CODE[split], index])
+    rng = np.random.default_rng([seed, SPLIT_CODE[split], index])
     combos = S.train_combos() if split == "train" else S.HELDOUT_COMBOS
     shape, colour = combos[rng.integers(len(combos))]
     background = list(S.BACKGROUNDS)[rng.integers(len(S.BACKGROUNDS))]
     size_name = list(S.SIZES)[rng.integers(len(S.SIZES))]
     pos_name = list(S.POSITIONS)[rng.integers(len(S.POSITIONS))]
-    radius = S.SIZES[size_name] * (1.0 + rng.uniform(-_RADIUS_JITTER, _RADIUS_JITTER))
+    radius = S.SIZES[size_name] * (1.0 + rng.uniform(-RADIUS_JITTER, RADIUS_JITTER))
     gx, gy, _ = S.POSITIONS[pos_name]
     # Keep at least 1.5 px of pure background around the shape: the analyser reads the background
     # from the border, and a clipped shape would no longer match its name.
@@ -140,32 +131,6 @@ def make_sample(split: str, index: int, seed: int, size_px: int) -> dict:
     }
 
 
-def _write_split(out: str, split: str, count: int, size: int, shard_size: int, seed: int,
-                 progress: bool, make=None) -> list[str]:  # fmt: skip
-    """Write `count` samples of `split` as shards; `make(split, i)` builds sample i (default: image)."""
-    if make is None:
-        def make(sp, i):
-            return make_sample(sp, i, seed, size)
-    split_dir = os.path.join(out, split)
-    os.makedirs(split_dir, exist_ok=True)
-    # Stale shards from an earlier, larger run would silently join this dataset (the loader reads
-    # every *.tar in the folder), so remove the files this generator owns before writing.
-    for old in glob.glob(os.path.join(glob.escape(split_dir), "shard-*.tar")):
-        os.remove(old)
-    if count == 0:
-        return []
-    pattern = os.path.join(split_dir, "shard-%06d.tar")
-    # mtime=0 and fixed owner make the tar headers reproducible; verbose=0 keeps stdout clean.
-    writer = wds.ShardWriter(pattern, maxcount=shard_size, verbose=0, mtime=0.0)
-    try:
-        for i in tqdm(range(count), desc=split, unit="img", disable=not progress, leave=False):
-            writer.write(make(split, i))
-    finally:
-        writer.close()
-    n_shards = (count + shard_size - 1) // shard_size
-    return [os.path.join(split, f"shard-{k:06d}.tar") for k in range(n_shards)]
-
-
 def generate(
     out: str,
     count: int = 20000,
@@ -191,7 +156,11 @@ def generate(
         os.remove(manifest_path)  # absent until the new dataset is complete
     t0 = time.perf_counter()
     counts = {"train": int(count), "heldout": int(heldout_count)}
-    shards = {sp: _write_split(out, sp, counts[sp], size, shard_size, seed, progress) for sp in SPLITS}
+
+    def make(split, i):
+        return make_sample(split, i, seed, size)
+
+    shards = {sp: write_split(out, sp, counts[sp], shard_size, make, progress) for sp in SPLITS}
     manifest = {
         "format_version": FORMAT_VERSION,
         "args": {"count": count, "heldout_count": heldout_count, "size": size,
@@ -217,15 +186,6 @@ def generate(
     return {"out": out, **manifest, "seconds": round(time.perf_counter() - t0, 3)}
 
 
-def load_manifest(out: str) -> dict | None:
-    """The manifest of a complete dataset in `out`, or None when absent or unreadable."""
-    try:
-        with open(os.path.join(out, MANIFEST)) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
 def ensure(out: str, **kwargs) -> dict:
     """Generate into `out` unless a complete dataset with the same arguments is already there.
 
@@ -244,7 +204,6 @@ def ensure(out: str, **kwargs) -> dict:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from data.synth_video import MOTIONS, VIDEO_FORMATS  # lazy: synth_video imports this module
     p = argparse.ArgumentParser(
         prog="python -m data.synth",
         description="Generate the synthetic shapes dataset (shape x colour x size x position x "
@@ -285,7 +244,6 @@ def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     try:
         if a.video:
-            from data.synth_video import generate_video
             summary = generate_video(
                 a.out, 5000 if a.count is None else a.count,
                 256 if a.heldout_count is None else a.heldout_count,

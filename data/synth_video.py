@@ -9,7 +9,7 @@ format of `data.sources.video` shards; default) and/or `npy` (lossless uint8 (T,
 the start/end centre and radius of the shape). Same held-out (shape, colour) split as images.
 
 Shares the image mode's splits, held-out (shape, colour) pairs, shard writer and manifest rules
-(data/synth.py); output is again a pure function of the arguments.
+(data/synth_common.py); output is again a pure function of the arguments.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from data import shapes as S
-from data.synth import _RADIUS_JITTER, _SPLIT_CODE, MANIFEST, SPLITS, _article, _write_split, load_manifest
+from data.synth_common import MANIFEST, RADIUS_JITTER, SPLIT_CODE, SPLITS, article, load_manifest, write_split
 
 VIDEO_FORMAT_VERSION = 1
 # Motion name -> caption phrases (the sample's rng picks one, so text encoders see synonyms).
@@ -53,8 +53,8 @@ _VIDEO_SPLIT_TAG = 1  # keeps video generators apart from image ones seeded alik
 def video_caption(attrs: dict, template: int, phrase: int) -> str:
     size = attrs["size_start"] if attrs["motion"] != "growing" else attrs["size_end"]
     return VIDEO_TEMPLATES[template].format(
-        colour=attrs["colour"], a_colour=_article(attrs["colour"]), shape=attrs["shape"],
-        a_size=_article(size), background=attrs["background"],
+        colour=attrs["colour"], a_colour=article(attrs["colour"]), shape=attrs["shape"],
+        a_size=article(size), background=attrs["background"],
         motion=MOTIONS[attrs["motion"]][phrase],
     )  # fmt: skip
 
@@ -72,7 +72,7 @@ def video_attrs(split: str, index: int, seed: int, sizes=(32,), frames=(8,), fps
     around it in every frame. Held-out clips use only `data.shapes.HELDOUT_COMBOS` (shape, colour)
     pairs, train clips never do; motion is drawn independently of the pair.
     """
-    rng = np.random.default_rng([seed, _SPLIT_CODE[split], index, _VIDEO_SPLIT_TAG])
+    rng = np.random.default_rng([seed, SPLIT_CODE[split], index, _VIDEO_SPLIT_TAG])
     combos = S.train_combos() if split == "train" else S.HELDOUT_COMBOS
     shape, colour = combos[rng.integers(len(combos))]
     background = list(S.BACKGROUNDS)[rng.integers(len(S.BACKGROUNDS))]
@@ -88,7 +88,7 @@ def video_attrs(split: str, index: int, seed: int, sizes=(32,), frames=(8,), fps
         r0, r1 = (r_small, r_large) if motion == "growing" else (r_large, r_small)
     else:
         size_name = list(S.SIZES)[rng.integers(len(S.SIZES))]
-        r0 = r1 = S.SIZES[size_name] * (1.0 + rng.uniform(-_RADIUS_JITTER, _RADIUS_JITTER))
+        r0 = r1 = S.SIZES[size_name] * (1.0 + rng.uniform(-RADIUS_JITTER, RADIUS_JITTER))
         lo, hi = r0 + margin, 1.0 - r0 - margin
         room = hi - lo
         travel = 0.0 if motion == "static" else room * rng.uniform(*_TRAVEL)
@@ -150,7 +150,8 @@ def make_video_sample(split: str, index: int, seed: int, sizes=(32,), frames=(8,
     clip = render_video(attrs)
     sample = {"__key__": f"{split}-{index:08d}", "txt": attrs["caption"]}
     if fmt in ("mp4", "both"):
-        from data.sources.video import encode_mp4  # shared with make_shards, byte-reproducible
+        # Lazy: common.data imports torch, which npy clips and image mode never need.
+        from common.data.media import encode_mp4  # the shard writer's byte-reproducible encoder
         sample["mp4"], attrs["codec"] = encode_mp4(list(clip), fps, crf)
     else:
         attrs["codec"] = None
@@ -213,16 +214,19 @@ def generate_video(
     def make(split, i):
         return make_video_sample(split, i, seed, sizes, frame_counts, fps, motions, fmt, crf)
 
-    shards = {sp: _write_split(out, sp, counts[sp], 0, shard_size, seed, progress, make) for sp in SPLITS}
-    from data.sources.video import _codec
+    shards = {sp: write_split(out, sp, counts[sp], shard_size, make, progress) for sp in SPLITS}
+    codec = None
+    if fmt != "npy":
+        from common.data.media import mp4_codec  # lazy, as in make_video_sample
 
+        codec = mp4_codec()
     manifest = {
         "format_version": VIDEO_FORMAT_VERSION,
         "mode": "video",
         "args": {"count": count, "heldout_count": heldout_count, "size": sizes, "frames": frame_counts,
                  "shard_size": shard_size, "seed": seed, "fps": float(fps), "motions": motions,
                  "fmt": fmt, "crf": crf},  # fmt: skip
-        "codec": _codec() if fmt != "npy" else None,
+        "codec": codec,
         "counts": counts,
         "shards": shards,
         "heldout_combos": [list(c) for c in S.HELDOUT_COMBOS],

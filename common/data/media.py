@@ -1,4 +1,8 @@
-"""Video decoding for shard samples (the `mp4` member written by `make_shards videos`).
+"""Video encoding and decoding for shard samples (the `mp4` member of `make_shards videos` shards).
+
+`encode_mp4(frames, fps, crf)` is the one encoder behind every mp4 we write (real video shards,
+synthetic clips, training-time sample videos): one thread and fixed x264 settings, so the same
+frames always give the same bytes.
 
 `decode_video(mp4_bytes, num_frames, size)` decodes an in-memory clip with PyAV on one thread
 (loader workers are the parallelism; ffmpeg's own threads would oversubscribe the cores) and
@@ -9,11 +13,47 @@ still in YUV (one pass, bilinear), then the centre crop is a view. Any failure r
 from __future__ import annotations
 
 import io
+from fractions import Fraction
 
 import numpy as np
 import torch
 
-__all__ = ["VideoDecodeError", "VideoDecoder", "decode_video"]
+__all__ = ["VideoDecodeError", "VideoDecoder", "decode_video", "encode_mp4", "mp4_codec"]
+
+
+def mp4_codec() -> str:
+    """The codec `encode_mp4` uses: libx264 (H.264) when this PyAV build has it, else MPEG-4 Part 2."""
+    import av
+
+    return "libx264" if "libx264" in av.codecs_available else "mpeg4"
+
+
+def encode_mp4(frames: list[np.ndarray], fps: float, crf: int = 23) -> tuple[bytes, str]:
+    """Encode uint8 (H, W, 3) RGB frames (even sides: yuv420p) at constant `fps`; -> (bytes, codec)."""
+    import av
+
+    codec = mp4_codec()
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as c:
+        rate = Fraction(fps).limit_denominator(1001)
+        st = c.add_stream(codec, rate=rate)
+        st.height, st.width = frames[0].shape[:2]
+        st.pix_fmt = "yuv420p"
+        st.codec_context.thread_count = 1  # one thread: reproducible bytes
+        if codec == "libx264":
+            # x264's lookahead / mb-tree / scene-cut made the bytes differ between runs on tiny
+            # frames; without them the same frames always encode to the same bytes.
+            st.options = {"crf": str(crf), "preset": "veryfast", "bf": "0",
+                          "x264-params": "rc-lookahead=0:mbtree=0:scenecut=0"}
+        else:
+            st.codec_context.qscale = 3
+            st.options = {"qscale": "3"}
+        for arr in frames:
+            for pkt in st.encode(av.VideoFrame.from_ndarray(arr, format="rgb24")):
+                c.mux(pkt)
+        for pkt in st.encode():
+            c.mux(pkt)
+    return buf.getvalue(), codec
 
 
 class VideoDecodeError(ValueError):

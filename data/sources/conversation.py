@@ -21,6 +21,7 @@ import os
 from collections.abc import Iterator
 
 from data.sources.common import InputError, Item
+from data.sources.image import ImageOpts, process_image
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
@@ -76,12 +77,10 @@ def conversation_items(path: str) -> Iterator[Item]:
             yield Item(i, where, extra={"images": paths, "turns": turns, "id": row.get("id")})
 
 
-def process_conversation(item: Item, image_opts) -> tuple[Item, dict | None]:
+def process_conversation(item: Item, image_opts: ImageOpts) -> tuple[Item, dict | None]:
     """Resize/re-encode every image like `images`, keep the normalised turns."""
     if item.error:
         return item, None
-    from data.make_shards import process_image
-
     paths = item.extra["images"]
     sample = {"__key__": f"{item.index:09d}"}
     orig, sizes = [], []
@@ -102,7 +101,7 @@ def process_conversation(item: Item, image_opts) -> tuple[Item, dict | None]:
 
 
 class ConversationWork:
-    def __init__(self, opts):
+    def __init__(self, opts: ImageOpts):
         self.opts = opts
 
     def __call__(self, item: Item):

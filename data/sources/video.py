@@ -19,16 +19,15 @@ A video that yields no complete clip is skipped as "too short".
 
 from __future__ import annotations
 
-import io
 import json
 import os
 from collections import deque
 from dataclasses import dataclass
-from fractions import Fraction
 
 import numpy as np
 from PIL import Image
 
+from common.data.media import encode_mp4
 from data.sources.common import Item
 
 VIDEO_EXTS = (".mp4", ".webm", ".mkv", ".avi", ".mov", ".m4v", ".mpg", ".mpeg", ".ogv")
@@ -45,12 +44,6 @@ class VideoOpts:
     crf: int = 23
 
 
-def _codec() -> str:
-    import av
-
-    return "libx264" if "libx264" in av.codecs_available else "mpeg4"
-
-
 def _resize(im: Image.Image, opts: VideoOpts) -> np.ndarray:
     w, h = im.size
     if opts.size > 0:
@@ -63,33 +56,6 @@ def _resize(im: Image.Image, opts: VideoOpts) -> np.ndarray:
     w, h = im.size
     arr = np.asarray(im.convert("RGB"))
     return arr[: h - h % 2, : w - w % 2]  # yuv420p needs even sides
-
-
-def encode_mp4(frames: list[np.ndarray], fps: float, crf: int = 23) -> tuple[bytes, str]:
-    import av
-
-    codec = _codec()
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="mp4") as c:
-        rate = Fraction(fps).limit_denominator(1001)
-        st = c.add_stream(codec, rate=rate)
-        st.height, st.width = frames[0].shape[:2]
-        st.pix_fmt = "yuv420p"
-        st.codec_context.thread_count = 1  # one thread: reproducible bytes
-        if codec == "libx264":
-            # x264's lookahead / mb-tree / scene-cut made the bytes differ between runs on tiny
-            # frames; without them the same frames always encode to the same bytes.
-            st.options = {"crf": str(crf), "preset": "veryfast", "bf": "0",
-                          "x264-params": "rc-lookahead=0:mbtree=0:scenecut=0"}
-        else:
-            st.codec_context.qscale = 3
-            st.options = {"qscale": "3"}
-        for arr in frames:
-            for pkt in st.encode(av.VideoFrame.from_ndarray(arr, format="rgb24")):
-                c.mux(pkt)
-        for pkt in st.encode():
-            c.mux(pkt)
-    return buf.getvalue(), codec
 
 
 def _seconds(v, name: str) -> float:

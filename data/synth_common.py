@@ -1,0 +1,58 @@
+"""What the image (`data/synth.py`) and video (`data/synth_video.py`) modes of the synthetic shapes
+dataset share: splits and their seed codes, the size jitter, caption grammar, the reproducible
+shard writer and the manifest that marks a complete dataset.
+
+A module of its own so that neither mode imports the other (only the `data.synth` CLI dispatches
+to video mode).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Callable
+
+import webdataset as wds
+from tqdm import tqdm
+
+SPLITS = ("train", "heldout")
+SPLIT_CODE = {"train": 0, "heldout": 1}  # part of every sample's seed: splits draw apart
+MANIFEST = "manifest.json"
+RADIUS_JITTER = 0.08  # relative; small enough that size names never overlap
+
+
+def article(word: str) -> str:
+    return ("an " if word[0] in "aeiou" else "a ") + word
+
+
+def write_split(out: str, split: str, count: int, shard_size: int, make: Callable[[str, int], dict],
+                progress: bool = False) -> list[str]:  # fmt: skip
+    """Write `count` samples of `split` as shards; `make(split, i)` builds sample i."""
+    split_dir = os.path.join(out, split)
+    os.makedirs(split_dir, exist_ok=True)
+    # Stale shards from an earlier, larger run would silently join this dataset (the loader reads
+    # every *.tar in the folder), so remove the files this generator owns before writing.
+    for old in glob.glob(os.path.join(glob.escape(split_dir), "shard-*.tar")):
+        os.remove(old)
+    if count == 0:
+        return []
+    pattern = os.path.join(split_dir, "shard-%06d.tar")
+    # mtime=0 and fixed owner make the tar headers reproducible; verbose=0 keeps stdout clean.
+    writer = wds.ShardWriter(pattern, maxcount=shard_size, verbose=0, mtime=0.0)
+    try:
+        for i in tqdm(range(count), desc=split, unit="img", disable=not progress, leave=False):
+            writer.write(make(split, i))
+    finally:
+        writer.close()
+    n_shards = (count + shard_size - 1) // shard_size
+    return [os.path.join(split, f"shard-{k:06d}.tar") for k in range(n_shards)]
+
+
+def load_manifest(out: str) -> dict | None:
+    """The manifest of a complete dataset in `out`, or None when absent or unreadable."""
+    try:
+        with open(os.path.join(out, MANIFEST)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
