@@ -44,6 +44,47 @@ class DiTBlock(nn.Module):
         self.scale_shift_table = nn.Parameter(torch.zeros(6, hidden))
         self.reset_parameters()
 
+    # ---- tensor-parallel plan (mechanisms in common.parallel.tensor_parallel, imported lazily so
+    # that importing common.nn pulls in no torch.distributed.tensor.parallel and no import cycle)
+    tp_plan_name = "dit"
+    tp_regions = ("attn", "cross_attn", "mlp")
+    # adaLN-single: t0 (B, 6D) is computed once per model from replicated inputs and each block's
+    # scale_shift_table stays a plain replicated parameter, so the modulation is bitwise the same
+    # on every rank. Under SP it is applied to a token shard, so each block's dL/dt0 is partial:
+    # t0 goes through copy_to_tp_region (identity forward, all-reduce backward; one B x 6D
+    # all-reduce per block), keeping the timestep MLP's gradient exact. The tables themselves are
+    # in the partial-grad sync.
+    tp_sp_replicated_args = ((1, "t0"),)
+
+    @staticmethod
+    def tp_plan(sequence_parallel: bool) -> dict:
+        from torch.distributed.tensor.parallel import ColwiseParallel
+
+        from common.parallel.tensor_parallel import region_input, rowwise_out
+        sp = sequence_parallel
+        plan = {"attn": region_input(sp),
+                # forward calls cross_attn(x, context, context_mask): context is replicated.
+                "cross_attn": region_input(sp, 3, replicated_extra=(1,)),
+                "mlp": region_input(sp),
+                "mlp.fc1": ColwiseParallel(), "mlp.fc2": rowwise_out(sp)}
+        for attn in ("attn", "cross_attn"):
+            plan.update({f"{attn}.to_q": ColwiseParallel(), f"{attn}.to_k": ColwiseParallel(),
+                         f"{attn}.to_v": ColwiseParallel(), f"{attn}.proj": rowwise_out(sp)})
+        return plan
+
+    def tp_check(self, tp: int, where: str) -> None:
+        """ValueError unless every split dimension divides by the TP degree; `where` is e.g. "block 3"."""
+        where = f"DiT {where}"
+        if self.hidden % tp:
+            raise ValueError(f"{where}: hidden size {self.hidden} is not divisible by tensor-parallel degree {tp}")
+        for name, attn in (("self-attention", self.attn), ("cross-attention", self.cross_attn)):
+            if attn.heads % tp:
+                raise ValueError(f"{where}: {name} heads {attn.heads} are not divisible by "
+                                 f"tensor-parallel degree {tp}")
+        h = self.mlp.fc1.out_features
+        if h % tp:
+            raise ValueError(f"{where}: MLP hidden size {h} is not divisible by tensor-parallel degree {tp}")
+
     def reset_parameters(self) -> None:
         _xavier_linears(self)
         nn.init.zeros_(self.scale_shift_table)

@@ -107,6 +107,39 @@ class LlamaBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.dim, cfg.ffn_dim)
 
+    # ---- tensor-parallel plan (mechanisms in common.parallel.tensor_parallel, imported lazily so
+    # that importing common.nn pulls in no torch.distributed.tensor.parallel and no import cycle)
+    tp_plan_name = "llama"
+    tp_regions = ("attention", "mlp")
+
+    @staticmethod
+    def tp_plan(sequence_parallel: bool) -> dict:
+        from torch.distributed.tensor.parallel import ColwiseParallel
+
+        from common.parallel.tensor_parallel import region_input, rowwise_out
+        sp = sequence_parallel
+        # forward calls attention(x, rope, attn_mask) and mlp(x).
+        return {"attention": region_input(sp, 3),
+                "attention.to_q": ColwiseParallel(), "attention.to_k": ColwiseParallel(),
+                "attention.to_v": ColwiseParallel(), "attention.proj": rowwise_out(sp),
+                "mlp": region_input(sp),
+                "mlp.w1": ColwiseParallel(), "mlp.w3": ColwiseParallel(), "mlp.w2": rowwise_out(sp)}
+
+    def tp_check(self, tp: int, where: str) -> None:
+        """ValueError unless every split dimension divides by the TP degree; `where` is e.g. "block 3"."""
+        where, a = f"Llama {where}", self.attention
+        dim = a.to_q.in_features
+        if dim % tp:
+            raise ValueError(f"{where}: dim {dim} is not divisible by tensor-parallel degree {tp}")
+        if a.n_heads % tp:
+            raise ValueError(f"{where}: attention heads {a.n_heads} are not divisible by tensor-parallel degree {tp}")
+        if a.n_kv_heads % tp:
+            raise ValueError(f"{where}: kv heads {a.n_kv_heads} are not divisible by tensor-parallel "
+                             f"degree {tp} (each rank must hold whole kv heads of its query groups)")
+        h = self.mlp.w1.out_features
+        if h % tp:
+            raise ValueError(f"{where}: SwiGLU hidden size {h} is not divisible by tensor-parallel degree {tp}")
+
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), rope, attn_mask)
@@ -142,6 +175,27 @@ class Llama(nn.Module):
         nn.init.ones_(self.norm.weight)
         std = cfg.dim ** -0.5
         nn.init.trunc_normal_(self.output.weight, std=std, a=-3 * std, b=3 * std)
+
+    # ---- model-level tensor-parallel plan (the blocks bring their own, LlamaBlock.tp_plan)
+    @staticmethod
+    def tp_model_plan(loss_parallel: bool = False) -> dict:
+        """Embedding split by vocabulary rows (output all-reduced, replicated so that callers may
+        splice other embeddings in before the blocks); head split by vocabulary columns. Logits
+        are all-gathered to a replicated (B, L, V) plain tensor by default, so any loss works
+        unchanged; with loss_parallel they stay vocab-sharded DTensors and the loss must run
+        inside torch.distributed.tensor.parallel.loss_parallel()."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+        head = (ColwiseParallel(output_layouts=Shard(-1), use_local_output=False) if loss_parallel
+                else ColwiseParallel(output_layouts=Replicate()))
+        return {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+                "output": head}
+
+    def tp_model_check(self, tp: int) -> None:
+        v = self.cfg.vocab_size
+        if v % tp:
+            raise ValueError(f"Llama: vocab size {v} is not divisible by tensor-parallel degree {tp} "
+                             "(embedding and output head are split by vocabulary)")
 
     def rope(self, seq_len: int | None = None, positions: torch.Tensor | None = None,
              device=None) -> tuple[torch.Tensor, torch.Tensor]:

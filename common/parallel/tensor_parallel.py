@@ -28,17 +28,21 @@ local shard of the gradient (every TP rank holds the same dp shard of the same p
 Parameters split or replicated *as DTensors* by the plan (linear weights, row-wise biases,
 the Llama embedding and head) need nothing: DTensor's autograd reduces their gradients.
 
-adaLN-single (DiT): t0 (B, 6D) is computed once per model from replicated inputs and passed to
-every block; each block's scale_shift_table (6, D) stays a plain replicated parameter, so the
-modulation is bitwise the same on every rank. Under SP the modulation is applied to a token
-shard, so each block's dL/dt0 is partial: a pre-hook wraps t0 in a "copy to TP region" op
-(identity forward, all-reduce backward; one B x 6D all-reduce per block), keeping the gradient
-of the timestep MLP upstream exact; the tables themselves are in the partial-grad sync.
-
-Llama model plan: the embedding is split row-wise (by vocabulary, output all-reduced to a
-replicated (B, L, D)), the output head column-wise. Logits are all-gathered to a replicated
-(B, L, V) plain tensor by default, so any loss works unchanged; with loss_parallel=True they stay
-vocab-sharded DTensors and the loss must run inside torch.distributed.tensor.parallel.loss_parallel().
+The plans live beside the blocks they split (this module imports no model). A block opts in by
+declaring, duck-typed:
+  tp_plan_name: str                          e.g. "dit", "llama" (checked against `plan=`)
+  tp_regions: tuple[str, ...]                submodules whose inputs are gathered and whose heads /
+                                             hidden units are split (their plain params get partial grads)
+  tp_plan(sequence_parallel) -> dict         the parallelize_module plan, built from region_input,
+                                             rowwise_out and torch's Colwise/RowwiseParallel
+  tp_check(tp, where) -> None                ValueError naming the numbers that do not divide
+  tp_sp_replicated_args: ((index, name), ...) (optional) replicated inputs consumed by token-sharded
+                                             work under SP: their gradient is partial per rank, so a
+                                             pre-hook wraps them in copy_to_tp_region
+A model passed whole may add a model-level plan (e.g. Llama's vocab-split embedding and head):
+  tp_model_plan(loss_parallel) -> dict, tp_model_check(tp) -> None.
+With loss_parallel=True a model's logits stay vocab-sharded DTensors and the loss must run
+inside torch.distributed.tensor.parallel.loss_parallel().
 """
 from __future__ import annotations
 
@@ -50,17 +54,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import PrepareModuleInput, RowwiseParallel, parallelize_module
 
-from common.nn.dit_block import DiTBlock
-from common.nn.llama import Llama, LlamaBlock
-
-PLANS = ("dit", "llama")
 SEQ_DIM = 1  # activations are (B, L, D)
-
-# Submodules of each block type whose inputs are gathered/replicated and whose heads or hidden
-# units are split: plain parameters inside them get partial gradients even without SP.
-_REGIONS = {"dit": ("attn", "cross_attn", "mlp"), "llama": ("attention", "mlp")}
 
 
 # --------------------------------------------------------------------------- activation layouts
@@ -125,8 +121,9 @@ def gather_sequence_after(module: nn.Module, tp_mesh: DeviceMesh):
     return module.register_forward_hook(lambda _m, _args, out: gather_sequence(out, tp_mesh))
 
 
-# --------------------------------------------------------------------------- plans
-def _region_input(sp: bool, n_args: int = 1, replicated_extra: Sequence[int] = ()) -> PrepareModuleInput:
+# --------------------------------------------------------------------------- plan building blocks
+# Used by the models' tp_plan methods (common.nn), which import them lazily.
+def region_input(sp: bool, n_args: int = 1, replicated_extra: Sequence[int] = ()) -> PrepareModuleInput:
     """Layouts for a TP region's positional inputs: arg 0 is the residual-stream activation
     (Shard(1) under SP, else Replicate), `replicated_extra` are replicated tensors (cross-attn
     context), the rest pass through. Outputs stay DTensors (use_local_output=False) so the
@@ -141,42 +138,10 @@ def _region_input(sp: bool, n_args: int = 1, replicated_extra: Sequence[int] = (
     return PrepareModuleInput(input_layouts=tuple(src), desired_input_layouts=tuple(dst))
 
 
-def _row(sp: bool) -> RowwiseParallel:
-    # Leaving a region: reduce-scatter to sequence shards (SP) or all-reduce; plain local output
-    # so the residual add and the norm kernels run unchanged.
+def rowwise_out(sp: bool) -> RowwiseParallel:
+    """Leaving a region: reduce-scatter to sequence shards (SP) or all-reduce; plain local output
+    so the residual add and the norm kernels run unchanged."""
     return RowwiseParallel(output_layouts=Shard(SEQ_DIM) if sp else Replicate())
-
-
-def dit_block_plan(sequence_parallel: bool) -> dict:
-    sp = sequence_parallel
-    plan = {"attn": _region_input(sp),
-            # DiTBlock calls cross_attn(x, context, context_mask): context is replicated.
-            "cross_attn": _region_input(sp, 3, replicated_extra=(1,)),
-            "mlp": _region_input(sp),
-            "mlp.fc1": ColwiseParallel(), "mlp.fc2": _row(sp)}
-    for attn in ("attn", "cross_attn"):
-        plan.update({f"{attn}.to_q": ColwiseParallel(), f"{attn}.to_k": ColwiseParallel(),
-                     f"{attn}.to_v": ColwiseParallel(), f"{attn}.proj": _row(sp)})
-    return plan
-
-
-def llama_block_plan(sequence_parallel: bool) -> dict:
-    sp = sequence_parallel
-    # LlamaBlock calls attention(x, rope, attn_mask) and mlp(x).
-    return {"attention": _region_input(sp, 3),
-            "attention.to_q": ColwiseParallel(), "attention.to_k": ColwiseParallel(),
-            "attention.to_v": ColwiseParallel(), "attention.proj": _row(sp),
-            "mlp": _region_input(sp),
-            "mlp.w1": ColwiseParallel(), "mlp.w3": ColwiseParallel(), "mlp.w2": _row(sp)}
-
-
-def llama_model_plan(loss_parallel: bool = False) -> dict:
-    """Embedding split by vocabulary rows (output all-reduced, replicated so that callers may
-    splice other embeddings in before the blocks); head split by vocabulary columns."""
-    head = (ColwiseParallel(output_layouts=Shard(-1), use_local_output=False) if loss_parallel
-            else ColwiseParallel(output_layouts=Replicate()))
-    return {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "output": head}
 
 
 # --------------------------------------------------------------------------- partial gradients
@@ -268,35 +233,21 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
 
 
 # --------------------------------------------------------------------------- validation
-def _need(ok: bool, msg: str) -> None:
-    if not ok:
-        raise ValueError(msg)
-
-
-def _validate_dit(i: int, b: DiTBlock, tp: int) -> None:
-    where = f"DiT block {i}"
-    _need(b.hidden % tp == 0, f"{where}: hidden size {b.hidden} is not divisible by tensor-parallel degree {tp}")
-    for name, attn in (("self-attention", b.attn), ("cross-attention", b.cross_attn)):
-        _need(attn.heads % tp == 0, f"{where}: {name} heads {attn.heads} are not divisible by "
-                                    f"tensor-parallel degree {tp}")
-    h = b.mlp.fc1.out_features
-    _need(h % tp == 0, f"{where}: MLP hidden size {h} is not divisible by tensor-parallel degree {tp}")
-
-
-def _validate_llama(i: int, b: LlamaBlock, tp: int) -> None:
-    where, a = f"Llama block {i}", b.attention
-    dim = a.to_q.in_features
-    _need(dim % tp == 0, f"{where}: dim {dim} is not divisible by tensor-parallel degree {tp}")
-    _need(a.n_heads % tp == 0, f"{where}: attention heads {a.n_heads} are not divisible by tensor-parallel degree {tp}")
-    _need(a.n_kv_heads % tp == 0, f"{where}: kv heads {a.n_kv_heads} are not divisible by tensor-parallel "
-                                  f"degree {tp} (each rank must hold whole kv heads of its query groups)")
-    h = b.mlp.w1.out_features
-    _need(h % tp == 0, f"{where}: SwiGLU hidden size {h} is not divisible by tensor-parallel degree {tp}")
+def _plan_classes(name: str) -> list[str]:
+    """Names of the loaded nn.Module classes declaring tp_plan_name == name: only so that a plan
+    mismatch error can say which block type was expected, without importing any model."""
+    found, todo = [], [nn.Module]
+    while todo:
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        if vars(cls).get("tp_plan_name") == name:
+            found.append(cls.__name__)
+    return sorted(set(found))
 
 
 def _blocks_of(module) -> tuple[list[nn.Module], str]:
     """(blocks, name prefix) from a block, a list/ModuleList of blocks or a model with .blocks."""
-    if isinstance(module, (DiTBlock, LlamaBlock)):
+    if hasattr(module, "tp_plan"):
         return [module], ""
     if isinstance(module, (list, tuple, nn.ModuleList)):
         return list(module), ""
@@ -306,56 +257,62 @@ def _blocks_of(module) -> tuple[list[nn.Module], str]:
                      f"got {type(module).__name__}")
 
 
+def _check_block(i: int, b, plan: str | None, tp: int) -> None:
+    if not hasattr(b, "tp_plan"):
+        raise ValueError(f"block {i} ({type(b).__name__}) declares no tensor-parallel plan (tp_plan)")
+    if plan is not None and b.tp_plan_name != plan:
+        expected = " or ".join(_plan_classes(plan)) or f"tp_plan_name={plan!r}"
+        raise ValueError(f"plan {plan!r} expects {expected} blocks, block {i} is {type(b).__name__} "
+                         f"(plan {b.tp_plan_name!r})")
+    if any(isinstance(p, DTensor) for p in b.parameters()):
+        raise ValueError(f"block {i} already holds DTensor parameters: tensor parallel applied twice?")
+    b.tp_check(tp, f"block {i}")
+
+
 # --------------------------------------------------------------------------- entry point
-def apply_tensor_parallel(module: nn.Module | Iterable[nn.Module], tp_mesh: DeviceMesh, *, plan: str,
+def apply_tensor_parallel(module: nn.Module | Iterable[nn.Module], tp_mesh: DeviceMesh, *, plan: str | None = None,
                           sequence_parallel: bool = False, loss_parallel: bool = False,
                           boundaries: bool = True) -> PartialGradSync:
     """Parallelize in place over the 1-D `tp_mesh` (for a 2-D mesh pass mesh["tp"]).
 
-    module: one block, a list / ModuleList of blocks, or a model with `.blocks` (a `Llama` also
-    gets its embedding and output head split; other models only their blocks). plan: "dit"
-    (DiTBlock) or "llama" (LlamaBlock). sequence_parallel: Megatron SP between the TP regions;
-    with boundaries=True the stack's input is sharded on entry to the first block and its output
-    gathered after the last, otherwise the caller places shard_/gather_sequence_* hooks.
-    loss_parallel (Llama model only): keep logits vocab-sharded (DTensor) for loss_parallel().
+    module: one block, a list / ModuleList of blocks, or a model with `.blocks`; each block
+    brings its own plan (tp_plan, see the module docstring). A model with `tp_model_plan`
+    (Llama) also gets that applied (embedding and output head split); other models only their
+    blocks. plan: optional guard, every block's tp_plan_name must equal it ("dit", "llama").
+    sequence_parallel: Megatron SP between the TP regions; with boundaries=True the stack's input
+    is sharded on entry to the first block and its output gathered after the last, otherwise the
+    caller places shard_/gather_sequence_* hooks. loss_parallel (models with tp_model_plan only):
+    keep logits vocab-sharded (DTensor) for loss_parallel().
 
     Apply before fully_shard (2-D FSDP x TP). Returns the PartialGradSync the trainer must call
     after backward and before clipping, every optimizer step."""
-    if plan not in PLANS:
-        raise ValueError(f"unknown tensor-parallel plan {plan!r}; expected one of {PLANS}")
     if tp_mesh.ndim != 1:
         raise ValueError(f"tp_mesh must be 1-D (pass mesh['tp']), got a {tp_mesh.ndim}-D mesh")
     tp = tp_mesh.size()
     blocks, prefix = _blocks_of(module)
     if not blocks:
         raise ValueError("apply_tensor_parallel: no blocks to parallelize")
-    block_type, validate = (DiTBlock, _validate_dit) if plan == "dit" else (LlamaBlock, _validate_llama)
     for i, b in enumerate(blocks):
-        if not isinstance(b, block_type):
-            raise ValueError(f"plan {plan!r} expects {block_type.__name__} blocks, block {i} is {type(b).__name__}")
-        if any(isinstance(p, DTensor) for p in b.parameters()):
-            raise ValueError(f"block {i} already holds DTensor parameters: tensor parallel applied twice?")
-        validate(i, b, tp)
-    is_llama_model = isinstance(module, Llama)
-    if loss_parallel and not is_llama_model:
-        raise ValueError("loss_parallel needs a Llama model (it splits the output head)")
-    if is_llama_model:
-        v = module.cfg.vocab_size
-        _need(v % tp == 0, f"Llama: vocab size {v} is not divisible by tensor-parallel degree {tp} "
-                           "(embedding and output head are split by vocabulary)")
+        _check_block(i, b, plan, tp)
+    has_model_plan = hasattr(module, "tp_model_plan")
+    if loss_parallel and not has_model_plan:
+        raise ValueError("loss_parallel needs a model with a model-level plan (tp_model_plan, e.g. Llama: "
+                         "it splits the output head)")
+    if has_model_plan:
+        module.tp_model_check(tp)
 
-    block_plan = dit_block_plan(sequence_parallel) if plan == "dit" else llama_block_plan(sequence_parallel)
     entries = []
     for i, b in enumerate(blocks):
-        parallelize_module(b, tp_mesh, block_plan)
+        parallelize_module(b, tp_mesh, b.tp_plan(sequence_parallel))
         name = f"{prefix}.{i}" if prefix else (str(i) if len(blocks) > 1 else "")
-        entries += _partial_entries(name, b, _REGIONS[plan], sequence_parallel)
-        if sequence_parallel and plan == "dit":
-            b.register_forward_pre_hook(_map_arg(lambda t: copy_to_tp_region(t, tp_mesh), 1, "t0"),
-                                        with_kwargs=True)
+        entries += _partial_entries(name, b, b.tp_regions, sequence_parallel)
+        if sequence_parallel:
+            for index, arg in getattr(b, "tp_sp_replicated_args", ()):
+                b.register_forward_pre_hook(_map_arg(lambda t: copy_to_tp_region(t, tp_mesh), index, arg),
+                                            with_kwargs=True)
     if sequence_parallel and boundaries:
         shard_sequence_before(blocks[0], tp_mesh)
         gather_sequence_after(blocks[-1], tp_mesh)
-    if is_llama_model:
-        parallelize_module(module, tp_mesh, llama_model_plan(loss_parallel))
+    if has_model_plan:
+        parallelize_module(module, tp_mesh, module.tp_model_plan(loss_parallel))
     return PartialGradSync(entries, tp_mesh)
