@@ -254,7 +254,7 @@ def _rank(rank, world_size, names):
     from common.dist import DistInfo
     from pipelines.text2image import components
     from pipelines.text2image.config import T2IConfig
-    from pipelines.text2image.parallelize import parallelize
+    from common.nn.dit_parallel import parallelize_dit as parallelize
 
     info = DistInfo(rank, world_size, rank, torch.device("cpu"), torch.float32)
     out = {}

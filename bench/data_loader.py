@@ -40,7 +40,7 @@ sys.path.insert(0, ROOT)
 from common.config import DataConfig  # noqa: E402
 from common.data import ShardIndex, StreamingLoader, expand_shards  # noqa: E402
 from common.data.media import VideoDecoder  # noqa: E402
-from pipelines.text2image.data import ImageDecoder  # noqa: E402
+from common.data.images import ImageDecoder  # noqa: E402
 
 KINDS = ("synth32", "synth64", "jpg256", "latent", "video")
 # Which data each config consumes (kind -> config); base.yaml trains on 64 px pixels, and at scale

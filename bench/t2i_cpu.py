@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common.config import build_config  # noqa: E402
 from common.metrics import measure_matmul_peak  # noqa: E402
-from common.trainer import build_optimizer  # noqa: E402
+from common.optim import build_optimizer  # noqa: E402
 from pipelines.text2image import components  # noqa: E402
 from pipelines.text2image.config import T2IConfig  # noqa: E402
 

@@ -13,7 +13,7 @@ only) that run all (frames, ac) cases in turn, each on a freshly built model (pe
 relative to the level before each step, so earlier cases do not leak into later ones). Every rank builds the same seeded model and gets the same batch (CP ranks share one data
 rank, as the dp_cp layout of the loader gives them), and the model is parallelised the way
 pipelines/text2video/parallelize.py does it: ParallelDims.from_config + the pipeline's support
-and model checks, build_mesh, apply_context_parallel_dit (tokens and RoPE rows sharded at the
+and model checks, build_mesh, apply_context_parallel (tokens and RoPE rows sharded at the
 first block, gathered before the final layer), apply_block_options (activation checkpointing).
 The one step left out by default is the data-parallel wrap: with cp > 1 the pipeline only
 accepts dp_mode fsdp (dp_mode=none is refused because CP ranks must average their gradients),
@@ -106,19 +106,19 @@ def make_batch(args, frames: int):
 
 
 def parallelize_replicated(model, pcfg, info, mesh_cache: dict):
-    """pipelines.text2video.parallelize.parallelize without its data-parallel wrap (see the module
+    """common.nn.dit_parallel.parallelize_dit without its data-parallel wrap (see the module
     doc); the mesh is built once per process and reused across cases."""
+    from common.nn.dit_parallel import apply_block_options, apply_context_parallel
     from common.parallel.dims import ParallelDims
-    from common.parallel.dit import apply_block_options, apply_context_parallel_dit
-    from pipelines.text2video.parallelize import _check_supported
+    from common.parallel.layouts import check_layout
     dims = ParallelDims.from_config(pcfg, info.world_size)
     mc = model.cfg
-    _check_supported(dims, model)
+    check_layout(dims, pcfg, model.parallel_limits(), "text2video")
     dims.check_model(heads=mc.heads, seq_len=mc.num_tokens, layers=mc.depth, microbatches=1)
     if "mesh" not in mesh_cache:
         mesh_cache["mesh"] = dims.build_mesh(info.device.type)
     if dims.cp > 1:
-        apply_context_parallel_dit(model, mesh_cache["mesh"], dims, mc.num_tokens)
+        apply_context_parallel(model, mesh_cache["mesh"], dims, mc.num_tokens)
     apply_block_options(model.blocks, pcfg)
     return model, dims
 
@@ -131,8 +131,8 @@ def run_case(args, frames: int, ac: str, info, mesh_cache: dict) -> dict:
     pcfg = ParallelConfig(cp=cp, cp_mode=args.cp_mode, cp_ulysses=args.cp_ulysses, activation_checkpoint=ac,
                           ac_every=args.ac_every, dp_mode="auto")
     if args.dp_mode == "fsdp" and cp > 1:
-        from pipelines.text2video.parallelize import parallelize
-        pm = parallelize(model, pcfg, info)
+        from common.nn.dit_parallel import parallelize_dit
+        pm = parallelize_dit(model, pcfg, info, name="text2video")
         module, dims = pm.module, pm.dims
     else:
         module, dims = parallelize_replicated(model, pcfg, info, mesh_cache)

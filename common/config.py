@@ -116,6 +116,17 @@ class ParallelConfig:
     compile: bool = doc(False, "torch.compile each block (inductor; needs a C++ compiler on CPU)")
 
 
+@dataclass
+class TextConfig:
+    width: int = doc(128, "open_clip text tower width")
+    layers: int = doc(2, "open_clip text tower layers")
+    heads: int = doc(4, "open_clip text tower heads")
+    context_length: int = doc(32, "caption tokens (longer captions are truncated)")
+    weights: str = doc("", "local state-dict file for the text tower (empty: frozen random init from run.seed)")
+    layer_scale: float = doc(0.0, "> 0: open_clip LayerScale init on residual branches, which keeps a random tower's "
+                                  "token features word-specific; 0: plain CLIP blocks (needed for CLIP weights)")
+
+
 # --------------------------------------------------------------------------- validation
 def check_run_config(cfg, positive: dict, choices: dict) -> None:
     """The checks every pipeline's run config shares (data, train, optim sections), then the

@@ -20,13 +20,13 @@ import time
 from typing import Any, Callable
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from common import dist as mdist
-from common.checkpoint import CheckpointManager
+from common.checkpoint import CheckpointManager, latest_complete
 from common.config import to_yaml
 from common.ema import EMA
 from common.metrics import MetricsLogger, measure_matmul_peak, memory_stats
+from common.optim import build_optimizer, lr_at
 from common.parallel.grads import clip_grads
 from common.parallel.parallel_model import ParallelModel
 
@@ -35,60 +35,28 @@ class TrainingError(RuntimeError):
     """The run cannot go on (e.g. K non-finite steps in a row); printed as one line."""
 
 
-def lr_at(step: int, total_steps: int, optim_cfg) -> float:
-    """LR for the optimizer step with 0-based index `step`: linear warmup, then cosine or constant."""
-    peak = optim_cfg.lr
-    warm = optim_cfg.warmup_steps
-    if warm > 0 and step < warm:
-        return peak * (step + 1) / warm
-    if optim_cfg.schedule == "constant":
-        return peak
-    span = max(1, total_steps - warm)
-    progress = min(1.0, (step - warm) / span)
-    floor = peak * optim_cfg.min_lr_ratio
-    return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def build_optimizer(model: torch.nn.Module, optim_cfg) -> torch.optim.Optimizer:
-    decay, no_decay = [], []
-    for _, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        # Norm gains, biases and tables of modulation offsets are not decayed (standard practice).
-        (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": optim_cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    # The foreach (multi-tensor) path cannot mix DTensors and plain tensors in one call, which
-    # tensor parallelism without FSDP produces (sharded linears, replicated norms); such a model
-    # takes the per-parameter path. Under FSDP every parameter is a DTensor and foreach stays on.
-    kinds = {isinstance(p, DTensor) for g in groups for p in g["params"]}
-    return torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2),
-                             eps=optim_cfg.eps, foreach=len(kinds) < 2)
-
-
 class Trainer:
     def __init__(self, cfg, info: mdist.DistInfo, pm: ParallelModel,
                  prepare: Callable[[dict], tuple[tuple, Any]], criterion: Callable[[Any, Any], torch.Tensor],
                  loader, *, signature: dict[str, Any],
                  frozen: dict[str, torch.nn.Module] | None = None,
                  sample_fn: Callable[[torch.nn.Module, int], None] | None = None,
-                 flops_per_sample: float = 0.0):
+                 flops_fn: Callable[[tuple], float] | None = None):
+        """flops_fn(inputs) -> forward FLOPs of one prepared micro-batch (its own shape and size:
+        with buckets neither is fixed); None: no MFU."""
         self.cfg, self.info, self.pm = cfg, info, pm
         self.model = model = pm.module
         self.prepare, self.criterion = prepare, criterion
         self.loader, self.sample_fn = loader, sample_fn
-        self.flops_per_sample = flops_per_sample
-        self.config_yaml = to_yaml(cfg)  # written to the run dir now, and into every checkpoint
-        if info.is_main:
-            os.makedirs(cfg.run.dir, exist_ok=True)
-            with open(os.path.join(cfg.run.dir, "config.yaml"), "w") as f:
-                f.write(self.config_yaml)
+        self.flops_fn = flops_fn
+        # Written to the run dir once the checkpoint signature check passed (fit), and into every
+        # checkpoint: a mistaken relaunch with another model must not replace the run's config.
+        self.config_yaml = to_yaml(cfg)
         self.frozen = frozen or {}
         self.optimizer = build_optimizer(model, cfg.optim)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.ema = EMA(pm.plain, cfg.train.ema_decay, cfg.train.ema_warmup) if cfg.train.ema_decay > 0 else None
         self.ckpt = CheckpointManager(os.path.join(cfg.run.dir, "checkpoints"), cfg.train.keep_last, signature, info)
-        self.global_batch = cfg.data.micro_batch_size * cfg.train.grad_accum * pm.dp_size
         self.step = 0
         self.skipped_steps = 0
         self.corrupt_total = 0
@@ -108,6 +76,9 @@ class Trainer:
     def resume(self) -> str | None:
         path = self.ckpt.resolve(self.cfg.run.resume)
         if path is None:
+            latest = latest_complete(self.ckpt.root)
+            if latest is not None:  # a fresh start must not mix two models' checkpoints in one run dir
+                self.ckpt.check_signature(latest)
             return None
         # param_groups options come back from the checkpoint; foreach belongs to this layout.
         foreach = [g.get("foreach") for g in self.optimizer.param_groups]
@@ -134,51 +105,61 @@ class Trainer:
         n = 1024 if self.info.device.type == "cpu" else 8192
         return measure_matmul_peak(self.info.device, self.info.compute_dtype, n=n)
 
-    def _forward_backward(self, it) -> tuple[float, int]:
-        """One optimizer step's gradients; returns (this rank's mean loss, corrupt samples read)."""
+    def _forward_backward(self, it) -> tuple[float, int, int, float]:
+        """One optimizer step's gradients; returns (this rank's mean loss, corrupt samples read,
+        samples trained, forward FLOPs of those samples)."""
         accum = self.cfg.train.grad_accum
         batches = [next(it) for _ in range(accum)]
         corrupt = sum(int(b.get("__corrupt__", 0)) for b in batches)
+        samples = sum(len(b["__position__"]) for b in batches)
+        flops = 0.0
         if self.pm.pipeline is not None:
             # The pipeline splits the step's batch back into grad_accum microbatches.
             prepared = [self.prepare(b) for b in batches]
+            flops = sum(self.flops_fn(p[0]) for p in prepared) if self.flops_fn else 0.0
             inputs = tuple(torch.cat(parts) for parts in zip(*(p[0] for p in prepared)))
             target = torch.cat([p[1] for p in prepared])
             loss = self.pm.pipeline.step(inputs, target)
-            return (float(loss) if loss is not None else 0.0), corrupt
+            return (float(loss) if loss is not None else 0.0), corrupt, samples, flops
         loss_sum = torch.zeros((), dtype=torch.float64)
         ddp = isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
         for micro, batch in enumerate(batches):
-            inputs, target = self.prepare(batch)
+            inputs, target = self.prepare(batch)  # one micro-batch's inputs alive at a time
+            flops += self.flops_fn(inputs) if self.flops_fn else 0.0
             with self.model.no_sync() if ddp and micro < accum - 1 else contextlib.nullcontext():
                 loss = self.criterion(self.model(*inputs), target)
                 (loss / accum).backward()
             loss_sum += loss.detach().double().cpu()
-        return float(loss_sum / accum), corrupt
+        return float(loss_sum / accum), corrupt, samples, flops
 
     def fit(self) -> dict:
         cfg, tc = self.cfg, self.cfg.train
         resumed_from = self.resume()
+        if self.info.is_main:
+            with open(os.path.join(cfg.run.dir, "config.yaml"), "w") as f:
+                f.write(self.config_yaml)
         log = MetricsLogger(cfg.run.dir, self.info.is_main, tc.steps, self.step, tc.progress and self.info.is_main)
         if resumed_from:
             log.event(event="resume", step=self.step, checkpoint=resumed_from)
             log.message(f"resumed from {resumed_from} at step {self.step}")
-        peak = self._peak_flops() if self.flops_per_sample else 0.0
+        peak = self._peak_flops() if self.flops_fn else 0.0
         clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
         it = iter(self.loader)
         bad_in_row = 0
-        window_t0, window_samples = time.perf_counter(), 0
+        window_t0, window_samples, window_flops = time.perf_counter(), 0, 0.0
         try:
             while self.step < tc.steps:
                 lr = lr_at(self.step, tc.steps, cfg.optim)
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr
-                step_loss, corrupt = self._forward_backward(it)
+                step_loss, corrupt, samples, flops = self._forward_backward(it)
                 # Every rank holding the loss (last pipeline stage) adds loss / (ranks per stage):
                 # the sum is the mean over data-parallel groups (CP/TP ranks hold identical copies).
+                # Counts are divided by the ranks reading the same samples, so their sums are global.
                 share = step_loss / self.pm.ranks_per_stage if self.pm.holds_loss else 0.0
-                replicas = self.info.world_size // self.pm.dp_size  # ranks reading the same samples
-                totals = torch.tensor([share, corrupt / replicas], dtype=torch.float64)
+                replicas = self.info.world_size // self.pm.dp_size
+                totals = torch.tensor([share, corrupt / replicas, samples / replicas, flops / replicas],
+                                      dtype=torch.float64)
                 if self.info.world_size > 1:
                     torch.distributed.all_reduce(totals)
                 step_loss = float(totals[0])
@@ -200,7 +181,8 @@ class Trainer:
                                             f"at step {self.step + 1}; lower optim.lr or check the data")
                 self.optimizer.zero_grad(set_to_none=True)
                 self.step += 1
-                window_samples += self.global_batch
+                window_samples += round(float(totals[2]))
+                window_flops += float(totals[3])
                 log.advance()
                 if self.step % tc.log_every == 0 or self.step == tc.steps:
                     elapsed = time.perf_counter() - window_t0
@@ -208,10 +190,10 @@ class Trainer:
                     scalars = {"loss": step_loss, "lr": lr, "grad_norm": grad_norm, "samples_per_s": sps,
                                "skipped_steps": self.skipped_steps, "corrupt_samples": self.corrupt_total,
                                "epoch": getattr(self.loader, "epoch", 0), **memory_stats(self.info.device)}
-                    if peak:
-                        scalars["mfu"] = 3.0 * self.flops_per_sample * sps / (peak * self.info.world_size)
+                    if peak:  # training ~ 3x the forward FLOPs
+                        scalars["mfu"] = 3.0 * window_flops / max(elapsed, 1e-9) / (peak * self.info.world_size)
                     log.log(self.step, scalars)
-                    window_t0, window_samples = time.perf_counter(), 0
+                    window_t0, window_samples, window_flops = time.perf_counter(), 0, 0.0
                 if tc.stop_after and self.step == tc.stop_after:
                     log.message(f"stopping after step {self.step} (train.stop_after), as if killed")
                     log.close()

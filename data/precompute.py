@@ -42,7 +42,6 @@ from tqdm import tqdm
 
 IMAGE_EXTS = ("png", "jpg", "jpeg", "webp")
 STORE_DTYPE = np.float16
-TEXT_SEED_SALT = 101  # components.build seeds the random text tower with mix_seed(run.seed, 101)
 
 
 class UsageError(Exception):
@@ -101,19 +100,17 @@ class Encoders:
             self.factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
             if a.image_size and a.image_size % self.factor:
                 raise UsageError(f"--image-size {a.image_size} is not divisible by the VAE factor {self.factor}")
-            from pipelines.text2image.data import ImageDecoder
+            from common.data.images import ImageDecoder
             self.decoder = ImageDecoder(a.image_size or 1)
         if a.text_encoder:
-            from common.diffusion.noise import mix_seed
-            from pipelines.text2image.model import TextEncoder, TextEncoderConfig
-            self.text_cfg = TextEncoderConfig(width=a.text_width, layers=a.text_layers, heads=a.text_heads,
-                                              context_length=a.text_context_length, weights=a.text_weights or None,
-                                              layer_scale=a.text_layer_scale or None)
-            # Same seeding as components.build: a random tower equals the one a training run
-            # with run.seed == --seed builds.
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(mix_seed(a.seed, TEXT_SEED_SALT))
-                self.text = TextEncoder(self.text_cfg).to(device)
+            from common.config import TextConfig
+            from common.nn.text_encoder import build_text_encoder
+            # Built as a training run builds it: a random tower equals the one of a run with
+            # run.seed == --seed.
+            self.text = build_text_encoder(TextConfig(width=a.text_width, layers=a.text_layers, heads=a.text_heads,
+                                                      context_length=a.text_context_length, weights=a.text_weights,
+                                                      layer_scale=a.text_layer_scale), a.seed).to(device)
+            self.text_cfg = self.text.cfg
 
     def image_tensor(self, raw: bytes) -> torch.Tensor:
         if self.image_size:

@@ -61,8 +61,9 @@ def single_run(synth_data, tmp_path_factory):
 
 
 def final_weights(run: str, step: int) -> dict[str, torch.Tensor]:
-    from pipelines.text2image.sample import load_run
-    comp, meta = load_run(run, use_ema=False)
+    from common.run import load_run
+    from pipelines.text2image.spec import SPEC
+    comp, meta = load_run(SPEC, run, use_ema=False)
     assert meta["step"] == step
     return {k: v.clone() for k, v in comp.model.state_dict().items()}
 

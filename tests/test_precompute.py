@@ -72,8 +72,8 @@ def test_latents_text_resume_and_decoders(shards, vae_dir, tmp_path, capsys):
     assert set(reasons) == {"bad-0", "nocap-0"} and "caption" in reasons["nocap-0"]
 
     # Values: the posterior mean of the VAE on the training transform, stored as float16.
-    from pipelines.text2image.data import ImageDecoder
-    from pipelines.text2image.model import TextEncoder, TextEncoderConfig
+    from common.data.images import ImageDecoder
+    from common.nn.text_encoder import TextEncoder, TextEncoderConfig
     from common.diffusion.noise import mix_seed
     vae, dec = _vae(vae_dir), ImageDecoder(32)
     with torch.random.fork_rng(devices=[]):  # the tower a run with run.seed=3 builds

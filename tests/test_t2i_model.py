@@ -4,7 +4,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from common.kernels import use_backend
-from pipelines.text2image.model import DiT, TextEncoder, TextEncoderConfig, dit_config, dit_flops
+from common.nn.text_encoder import TextEncoder, TextEncoderConfig
+from pipelines.text2image.model import DiT, dit_config, dit_flops
 
 SMALL = dict(hidden=64, depth=2, heads=4, img_size=16, text_dim=64)
 

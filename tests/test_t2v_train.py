@@ -100,12 +100,12 @@ def _parallelize_error(*overrides: str, world_size: int) -> str:
     from common.dist import DistInfo
     from pipelines.text2video import components
     from pipelines.text2video.config import T2VConfig
-    from pipelines.text2video.parallelize import parallelize
+    from pipelines.text2video.spec import SPEC
     cfg = build_config(T2VConfig, TINY_YAML, [*SMALL_MODEL, *overrides])
     comp = components.build(cfg)
     info = DistInfo(0, world_size, 0, torch.device("cpu"), torch.float32)
     with pytest.raises(ConfigError) as e:
-        parallelize(comp.model, cfg.parallel, info)
+        SPEC.parallelize(comp.model, cfg.parallel, info, name=SPEC.name)
     return str(e.value)
 
 

@@ -71,14 +71,22 @@ class DDPM:
     def model_time(self, t: torch.Tensor) -> torch.Tensor:
         return t.float() / self.num_timesteps
 
-    def training_example(self, x0: torch.Tensor, seeds):
-        """(x_t, model time in [0, 1], target) for a training step."""
+    def training_example(self, x0: torch.Tensor, seeds, num_tokens: int | None = None):
+        """(x_t, model time in [0, 1], target) for a training step. num_tokens: unused (the
+        schedule does not depend on resolution); accepted so both objectives are called alike."""
         t = self.sample_t(seeds, device=x0.device)
         eps = per_sample_randn(seeds, x0.shape[1:], SALT_NOISE, device=x0.device, dtype=x0.dtype)
         return self.q_sample(x0, eps, t), self.model_time(t), self.target(x0, eps, t)
 
-    def loss(self, model_fn: Callable, x0: torch.Tensor, cond, seeds):
+    def loss(self, model_fn: Callable, x0: torch.Tensor, cond, seeds, num_tokens: int | None = None):
         """Returns (mean loss, per-sample MSE (B,)) on the chosen prediction target."""
         x_t, t, target = self.training_example(x0, seeds)
         per_sample = mse_per_sample(model_fn(x_t, t, cond), target)
         return per_sample.mean(), per_sample
+
+    def sample(self, model_fn: Callable, noise: torch.Tensor, *, cond=None, uncond=None, guidance: float = 1.0,
+               num_steps: int = 50, num_tokens: int | None = None, device=None) -> torch.Tensor:
+        """Deterministic DDIM (eta = 0) from noise; num_tokens unused (as in training_example)."""
+        from .samplers import ddim_sample
+        return ddim_sample(model_fn, self, noise.shape, cond, num_steps=num_steps, uncond=uncond, guidance=guidance,
+                           noise=noise, device=device)

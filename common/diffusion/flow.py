@@ -79,6 +79,13 @@ class RectifiedFlow:
         per_sample = mse_per_sample(model_fn(x_t, t, cond), target)
         return per_sample.mean(), per_sample
 
+    def sample(self, model_fn: Callable, noise: torch.Tensor, *, cond=None, uncond=None, guidance: float = 1.0,
+               num_steps: int = 50, num_tokens: int | None = None, device=None) -> torch.Tensor:
+        """Euler from t = 1 (noise) to t = 0 with the shift of `num_tokens` (see shift_for)."""
+        from .samplers import euler_sample
+        return euler_sample(model_fn, noise.shape, cond, num_steps=num_steps, shift=self.shift_for(num_tokens),
+                            uncond=uncond, guidance=guidance, noise=noise, device=device)
+
 
 def mse_per_sample(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """(B,) mean squared error per sample, accumulated in fp32."""

@@ -24,6 +24,12 @@ def mix_seed(seed: int, salt: int = 0) -> int:
     return (z ^ (z >> 31)) & ((1 << 63) - 1)  # manual_seed wants a non-negative int64
 
 
+def sample_seeds(run_seed: int, positions: torch.Tensor) -> torch.Tensor:
+    """Per-sample seeds from global sample positions (the loader's `__position__`): identical
+    under any parallel layout and across resumes."""
+    return positions.long() + int(run_seed) * (1 << 40)
+
+
 def _seed_list(seeds) -> list[int]:
     if isinstance(seeds, torch.Tensor):
         return [int(s) for s in seeds.reshape(-1).tolist()]

@@ -1,6 +1,6 @@
 """Data parallelism: DDP (the baseline) and FSDP2 `fully_shard` (ZeRO-3 / ZeRO-2, HSDP).
 
-Pipelines say which submodules are the sharding units (their `parallelize.py`); this module
+A model's plan says which submodules are the sharding units (e.g. each DiT block); this module
 knows nothing about any particular model.
 """
 from __future__ import annotations
@@ -38,6 +38,18 @@ def apply_fsdp(model: torch.nn.Module, units: Iterable[torch.nn.Module], mesh, d
     for unit in units:
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
+    return model
+
+
+def apply_data_parallel(model: torch.nn.Module, units: Iterable[torch.nn.Module], mesh, dims: ParallelDims,
+                        device: torch.device, cfg) -> torch.nn.Module:
+    """dims.dp_mode applied: DDP, FSDP with `units` sharded one by one (then the root), or the
+    model itself. cfg: the ParallelConfig (reshard_after_forward, cpu_offload)."""
+    if dims.dp_mode == "ddp":
+        return apply_ddp(model, mesh, device)
+    if dims.dp_mode == "fsdp":
+        return apply_fsdp(model, units, mesh, dims, device, reshard_after_forward=cfg.reshard_after_forward,
+                          cpu_offload=cfg.cpu_offload)
     return model
 
 

@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-from common.parallel.data_parallel import unwrap
+from common.parallel.data_parallel import apply_data_parallel, unwrap
 from common.parallel.dims import ParallelDims
 from common.parallel.pipeline_parallel import PipelineRunner
 
@@ -51,3 +51,15 @@ class ParallelModel:
         if self.pipeline is not None:
             raise RuntimeError("a pipeline-parallel model runs through ParallelModel.pipeline.step")
         return self.module(*inputs)
+
+
+def parallelize_data_only(model: torch.nn.Module, cfg, info, *, microbatches: int = 1, criterion=None,
+                          name: str | None = None, units=()) -> ParallelModel:
+    """The parallelize of a model with no tensor, context or pipeline plan: DDP or FSDP (with
+    `units` as the sharding units) over every rank; tp/cp/pp > 1 are refused by name."""
+    from common.parallel.layouts import check_layout
+    dims = ParallelDims.from_config(cfg, info.world_size)
+    no_plan = "the model has no plan for it (data parallelism only)"
+    check_layout(dims, cfg, {"tp": no_plan, "cp": no_plan, "pp": no_plan}, name or type(model).__name__)
+    mesh = dims.build_mesh(info.device.type) if info.world_size > 1 else None
+    return ParallelModel(apply_data_parallel(model, units, mesh, dims, info.device, cfg), dims, mesh)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import (ConfigError, DataConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig,
+from common.config import (ConfigError, DataConfig, OptimConfig, ParallelConfig, RunConfig, TextConfig, TrainConfig,
                            check_run_config, doc)
 
 
@@ -16,17 +16,6 @@ class ModelConfig:
     depth: int = doc(0, "number of DiT blocks (0: preset)")
     heads: int = doc(0, "attention heads (0: preset)")
     mlp_ratio: float = doc(0.0, "MLP hidden / width (0: preset)")
-
-
-@dataclass
-class TextConfig:
-    width: int = doc(128, "open_clip text tower width")
-    layers: int = doc(2, "open_clip text tower layers")
-    heads: int = doc(4, "open_clip text tower heads")
-    context_length: int = doc(32, "caption tokens (longer captions are truncated)")
-    weights: str = doc("", "local state-dict file for the text tower (empty: frozen random init from run.seed)")
-    layer_scale: float = doc(0.0, "> 0: open_clip LayerScale init on residual branches, which keeps a random tower's "
-                                  "token features word-specific; 0: plain CLIP blocks (needed for CLIP weights)")
 
 
 @dataclass

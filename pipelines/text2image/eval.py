@@ -6,50 +6,17 @@ colour, shape and joint accuracy and writes eval.json into the run directory.
 
   python -m pipelines.text2image.eval --run RUN_DIR [--shards SPEC] [--num N] [--steps S] [--cfg W]
 """
-from __future__ import annotations
-
-import argparse
-import json
-import os
-
 from common.cli import run_cli
-from common.config import ConfigError
+from common.run import evaluate
 from data.shape_analysis import score
-from pipelines.text2image import components
-from pipelines.text2image.data import first_examples
-from pipelines.text2image.sample import load_run
+from pipelines.text2image.spec import SPEC
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pipelines.text2image.eval", description=__doc__.split("\n\n")[0])
-    p.add_argument("--run", required=True, help="run directory")
-    p.add_argument("--shards", default=None, help="held-out shards (default: the run's data.eval_shards)")
-    p.add_argument("--num", type=int, default=256, help="held-out prompts to generate (default 256)")
-    p.add_argument("--steps", type=int, default=None, help="sampler steps (default: the run's sample.steps)")
-    p.add_argument("--cfg", type=float, default=None, help="guidance weight (default: the run's sample.cfg)")
-    p.add_argument("--seed", type=int, default=0, help="noise seed of the first image")
-    p.add_argument("--save-grid", default=None, help="also write the generated images as a grid PNG here")
-    args = p.parse_args(argv)
-    if args.num < 1:
-        raise ConfigError("--num must be >= 1")
-    comp, meta = load_run(args.run)
-    examples = first_examples(args.shards or comp.cfg.data.eval_shards, args.num)
-    if not examples or "shape" not in examples[0][1]:
-        raise ConfigError("the held-out shards carry no shape/colour attributes (json); eval needs data.synth shards")
-    steps = args.steps or comp.cfg.sample.steps
-    guidance = comp.cfg.sample.cfg if args.cfg is None else args.cfg
-    prompts = [e[0] for e in examples]
-    images = components.generate(comp, comp.model, prompts, [args.seed + i for i in range(len(prompts))],
-                                 steps=steps, guidance=guidance)
-    result = score(images.numpy(), [e[1] for e in examples])
-    result.update({"step": meta["step"], "checkpoint": meta["path"], "steps": steps, "cfg": guidance})
-    with open(os.path.join(args.run, "eval.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    if args.save_grid:
-        components.save_grid(images[:64], args.save_grid, scale=4)
-    print(f"eval on {result['n']} held-out prompts (step {meta['step']}): colour accuracy {result['colour_acc']:.1%}, "
-          f"shape accuracy {result['shape_acc']:.1%}, both {result['both_acc']:.1%}")
-    return 0
+    return evaluate(SPEC, argv, __doc__, default_num=256, grid_max=64, needs="shape", data_hint="data.synth",
+                    score=lambda images, attrs: score(images.numpy(), attrs),
+                    report=lambda r: (f"colour accuracy {r['colour_acc']:.1%}, shape accuracy {r['shape_acc']:.1%}, "
+                                      f"both {r['both_acc']:.1%}"))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Text-to-image model: frozen open_clip text tower + DiT (adaLN-single, cross-attention to
-text tokens, 2-D RoPE, QK-norm). Architecture only; training and parallelism live elsewhere.
+"""Text-to-image DiT (adaLN-single, cross-attention to text tokens, 2-D RoPE, QK-norm) on the
+shared DiT trunk (common/nn/dit.py); the frozen text tower is common/nn/text_encoder.py.
+Architecture only; training and parallelism live in common/.
 
 DiT forward:  patches -> tokens (+ 2-D RoPE in attention, no absolute embedding)
               t -> temb -> t0 = Linear(SiLU(temb)) (6D, shared by all blocks)
@@ -10,81 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 import torch
-from torch import nn
 
 from common.kernels import rope_frequencies
-from common.nn import (CaptionProjection, DiTBlock, FinalLayer, PatchEmbed2d, TimestepEmbedder, reset_dit_parameters,
-                       sincos_2d, unpatchify)
-
-
-# --------------------------------------------------------------------------- text encoder
-@dataclass
-class TextEncoderConfig:
-    width: int = 128
-    layers: int = 2
-    heads: int = 4
-    context_length: int = 32
-    vocab_size: int = 49408
-    weights: str | None = None  # local state-dict file (open_clip text keys); None = random init
-    # open_clip LayerScale on the residual branches (None: plain CLIP blocks, as pretrained
-    # checkpoints have). A small value keeps a *random* frozen tower close to its token
-    # embeddings: without it, random attention/MLP branches outweigh the embeddings and hash each
-    # word together with its prefix, so "circle" after "red" and after "blue" look unrelated.
-    layer_scale: float | None = None
-
-
-class TextEncoder(nn.Module):
-    """Frozen open_clip TextTransformer returning per-token features for cross-attention.
-
-    Built with open_clip's own `_build_text_tower` (causal CLIP text transformer, BPE tokenizer
-    bundled with open_clip, so no network). Always in eval mode with requires_grad False; the
-    forward runs under no_grad.
-    """
-
-    def __init__(self, cfg: TextEncoderConfig | None = None):
-        super().__init__()
-        from open_clip.model import CLIPTextCfg, _build_text_tower
-        from open_clip.tokenizer import SimpleTokenizer
-
-        self.cfg = cfg = cfg or TextEncoderConfig()
-        text_cfg = CLIPTextCfg(context_length=cfg.context_length, vocab_size=cfg.vocab_size, width=cfg.width,
-                               heads=cfg.heads, layers=cfg.layers, output_tokens=True, proj_type="none",
-                               ls_init_value=cfg.layer_scale)
-        self.tower = _build_text_tower(cfg.width, text_cfg)
-        self.tokenizer = SimpleTokenizer(context_length=cfg.context_length)
-        if cfg.weights:
-            self.load_weights(cfg.weights)
-        self.requires_grad_(False)
-        self.eval()
-
-    @property
-    def width(self) -> int:
-        return self.cfg.width
-
-    def load_weights(self, path: str) -> None:
-        """Load a text-tower or full CLIP state dict (keys not in the tower, e.g. visual.*, are
-        ignored; a tower key missing from the file is an error)."""
-        sd = torch.load(path, map_location="cpu", weights_only=True)
-        sd = sd.get("state_dict", sd)
-        sd = {k.removeprefix("module."): v for k, v in sd.items()}
-        own = self.tower.state_dict()
-        missing = [k for k in own if k not in sd]
-        if missing:
-            raise KeyError(f"text encoder weights {path} lack keys: {missing[:5]}...")
-        self.tower.load_state_dict({k: sd[k] for k in own})
-
-    def train(self, mode: bool = True):
-        return super().train(False)  # frozen: never leave eval mode (no dropout)
-
-    def tokenize(self, texts: list[str]) -> torch.Tensor:
-        return self.tokenizer(list(texts))
-
-    @torch.no_grad()
-    def forward(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (tokens (B, L, width), key_padding_mask (B, L) bool, True = real token incl. SOT/EOT)."""
-        ids = self.tokenize(texts).to(self.tower.token_embedding.weight.device)
-        _, tokens = self.tower(ids)
-        return tokens, ids != 0  # SimpleTokenizer pads with id 0
+from common.nn import PatchEmbed2d, sincos_2d, unpatchify
+from common.nn.dit import DiTTrunk
 
 
 # --------------------------------------------------------------------------- DiT
@@ -152,35 +82,26 @@ def dit_flops(cfg: DiTConfig, num_tokens: int | None = None, text_len: int | Non
     return int(cfg.depth * per_block + embed + cond)
 
 
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """(B, L, D) -> (B, D) mean over valid tokens (mask True = valid); all-masked rows give 0."""
-    if mask is None:
-        return x.mean(1)
-    w = mask.to(x.dtype)[..., None]
-    return (x * w).sum(1) / w.sum(1).clamp_min(1.0)
-
-
-class DiT(nn.Module):
+class DiT(DiTTrunk):
     def __init__(self, cfg: DiTConfig):
-        super().__init__()
         head_dim = cfg.hidden // cfg.heads
         if cfg.hidden % cfg.heads or head_dim % 4:
             raise ValueError(f"hidden/heads = {cfg.hidden}/{cfg.heads} must give a head dim divisible by 4 "
                              "(2-D RoPE splits it into two rotate-half axes)")
+        patch_embed = PatchEmbed2d(cfg.in_channels, cfg.hidden, cfg.patch_size, cfg.patch_embed)
+        super().__init__(patch_embed, hidden=cfg.hidden, heads=cfg.heads, depth=cfg.depth, mlp_ratio=cfg.mlp_ratio,
+                         qk_norm=cfg.qk_norm, text_dim=cfg.text_dim, pooled_text=cfg.pooled_text,
+                         out_dim=cfg.patch_size ** 2 * cfg.in_channels)
         self.cfg = cfg
-        d = cfg.hidden
-        self.patch_embed = PatchEmbed2d(cfg.in_channels, d, cfg.patch_size, cfg.patch_embed)
-        self.t_embedder = TimestepEmbedder(d)
-        self.t_block = nn.Sequential(nn.SiLU(), nn.Linear(d, 6 * d))  # adaLN-single global t0
-        self.caption_proj = CaptionProjection(cfg.text_dim, d)
-        self.pooled_proj = CaptionProjection(cfg.text_dim, d) if cfg.pooled_text else None
-        self.blocks = nn.ModuleList(DiTBlock(d, cfg.heads, cfg.mlp_ratio, qk_norm=cfg.qk_norm)
-                                    for _ in range(cfg.depth))
-        self.final = FinalLayer(d, cfg.patch_size ** 2 * cfg.in_channels)
         self.reset_parameters()
 
-    def reset_parameters(self) -> None:
-        reset_dit_parameters(self)
+    def parallel_limits(self) -> dict[str, str]:
+        """Parallel dimensions this model cannot use, with the reason (none: the DiT supports all)."""
+        return {}
+
+    def default_grid(self) -> tuple[int, int]:
+        side = self.cfg.img_size // self.cfg.patch_size
+        return side, side
 
     def rope(self, grid_h: int, grid_w: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(row, col) integer positions, head dim split evenly between the two axes."""
@@ -197,10 +118,7 @@ class DiT(nn.Module):
         h = self.patch_embed(x)
         if self.cfg.abs_pos:
             h = h + sincos_2d(x.shape[-2] // p, x.shape[-1] // p, h.shape[-1], x.device).to(h.dtype)
-        temb = self.t_embedder(t)
-        if self.pooled_proj is not None:
-            temb = temb + self.pooled_proj(_masked_mean(context.to(h.dtype), context_mask))
-        return h, self.t_block(temb), temb, self.caption_proj(context.to(h.dtype))
+        return (h, *self.condition(t, context, context_mask, h.dtype))
 
     def head(self, h: torch.Tensor, temb: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
         """Final adaLN layer and unpatchify: tokens (B, N, D) -> (B, C, H, W)."""
@@ -215,9 +133,7 @@ class DiT(nn.Module):
         context_mask (B, L) bool True = real token. Returns (B, C, H, W)."""
         grid = self.grid(x)
         h, t0, temb, ctx = self.embed(x, t, context, context_mask)
-        rope = self.rope(*grid, x.device)
-        for block in self.blocks:
-            h = block(h, t0, ctx, context_mask, rope)
+        h = self.run_blocks(h, t0, ctx, context_mask, self.rope(*grid, x.device))
         return self.head(h, temb, grid)
 
     def flops_per_sample(self, num_tokens: int | None = None, text_len: int | None = None) -> int:

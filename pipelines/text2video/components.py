@@ -1,6 +1,6 @@
 """Builds the pieces of a text2video run from its config: VideoDiT, frozen text tower, optional
 frozen video VAE, rectified-flow objective, the training loss, the sampler and the MP4/GIF
-writers. Shared by train, sample and eval.
+writers. spec.py hands them to the shared entrypoints.
 
 Pixel space (vae.path empty): the VideoDiT sees (3, frames, H, W) clips in [-1, 1].
 Latent space (vae.path set, pipelines/text2video/vae.py): the loader still decodes PIXEL clips
@@ -20,25 +20,20 @@ import numpy as np
 import torch
 
 from common.config import ConfigError
+from common.data.media import encode_mp4
 from common.diffusion import noise as dnoise
-from common.diffusion.flow import RectifiedFlow, mse_per_sample
-from common.diffusion.samplers import euler_sample
-# Reused as is: per-sample seeds from global positions, the run-dir check (sample.py, eval.py).
-from pipelines.text2image.components import check_run_dir, sample_seeds  # noqa: F401 (re-export)
+from common.diffusion import text_conditioned as tc
+from common.diffusion.flow import RectifiedFlow
+from common.nn.text_encoder import build_text_encoder
 from pipelines.text2video.config import T2VConfig
-from pipelines.text2video.model import TextEncoder, TextEncoderConfig, VideoDiT, video_dit_config
+from pipelines.text2video.model import VideoDiT, video_dit_config
 from pipelines.text2video.vae import VideoVae
 
 PIPELINE = "text2video"
 
 
 @dataclass
-class Components:
-    cfg: T2VConfig
-    model: VideoDiT
-    text_encoder: TextEncoder
-    objective: RectifiedFlow
-    vae: VideoVae | None = None
+class Components(tc.TextDiffusionComponents):
 
     @property
     def num_tokens(self) -> int:
@@ -116,10 +111,7 @@ def build(cfg: T2VConfig) -> Components:
         if vae is not None:  # the VideoDiT works on latents
             c, t, h, w = vae.latent_shape(*pixel_clip_shape(cfg))
             overrides.update(frames=t, height=h, width=w, in_channels=c)
-        torch.manual_seed(dnoise.mix_seed(cfg.run.seed, 101))
-        text = TextEncoder(TextEncoderConfig(width=cfg.text.width, layers=cfg.text.layers, heads=cfg.text.heads,
-                                             context_length=cfg.text.context_length, weights=cfg.text.weights or None,
-                                             layer_scale=cfg.text.layer_scale or None))
+        text = build_text_encoder(cfg.text, cfg.run.seed)
         torch.manual_seed(dnoise.mix_seed(cfg.run.seed, 102))
         try:
             vcfg = video_dit_config(cfg.model.preset, text_dim=cfg.text.width, text_len=cfg.text.context_length,
@@ -150,28 +142,20 @@ def signature(cfg: T2VConfig, comp: Components) -> dict:
 
 
 def make_step_fns(comp: Components, device):
-    """(prepare, criterion) for the Trainer. prepare: captions -> text tokens (with CFG dropout
-    seeded per sample), clips (B, C, T, H, W) -> the flow training example, whose shift follows
-    the clip's token count (longer or larger clips keep more signal at a given t)."""
-    cfg = comp.cfg
+    """(prepare, criterion) for the Trainer (common.diffusion.text_conditioned): clips (B, C, T, H, W),
+    encoded to normalised latents with a VAE (posterior mean: deterministic), become flow training
+    examples whose shift follows the clip's token count (longer or larger clips keep more signal at
+    a given t)."""
     if comp.vae is not None:
         comp.vae.to(device)
 
-    @torch.no_grad()
-    def prepare(batch):
-        seeds = sample_seeds(cfg.run.seed, batch["__position__"])
-        context, mask = comp.text_encoder(dnoise.drop_captions(batch["caption"], seeds, cfg.diffusion.cfg_dropout))
+    def encode(batch):
         x0 = batch["video"].to(device)
-        if comp.vae is not None:  # pixel clips -> normalised latents (posterior mean: deterministic)
-            x0 = comp.vae.encode(x0).to(x0.dtype)
-        tokens = comp.model.cfg.tokens(*x0.shape[-3:])
-        x_t, t, target = comp.objective.training_example(x0, seeds, num_tokens=tokens)
-        return (x_t, t, context.to(device), mask.to(device)), target
+        return x0 if comp.vae is None else comp.vae.encode(x0).to(x0.dtype)
 
-    def criterion(pred, target):
-        return mse_per_sample(pred, target).mean()
-
-    return prepare, criterion
+    return tc.diffusion_step_fns(encode=encode, tokens_of=lambda x0: comp.model.cfg.tokens(*x0.shape[-3:]),
+                                 text_encoder=comp.text_encoder, objective=comp.objective,
+                                 run_seed=comp.cfg.run.seed, cfg_dropout=comp.cfg.diffusion.cfg_dropout, device=device)
 
 
 @torch.no_grad()
@@ -179,8 +163,6 @@ def generate(comp: Components, model: VideoDiT, prompts: list[str], seeds: list[
              frames: int | None = None, device=torch.device("cpu"), batch_size: int = 8) -> torch.Tensor:
     """uint8 clips (N, T, H, W, 3) in pixels. Clip i depends only on (prompts[i], seeds[i]).
     frames: PIXEL frames (default model.frames; with a causal VAE 1 + k * its temporal factor)."""
-    was_training = model.training
-    model.eval()
     c, t_def, h, w = comp.clip_shape
     pf, ph, pw = comp.pixel_clip_shape
     if comp.vae is not None:
@@ -189,32 +171,16 @@ def generate(comp: Components, model: VideoDiT, prompts: list[str], seeds: list[
         pf = comp.vae.pixel_frames(t_lat)
     else:
         t_lat = pf = frames or t_def
-    shape_tail = (c, t_lat, h, w)
-    tokens = comp.model.cfg.tokens(*shape_tail[1:])
-    empty_ctx, empty_mask = comp.text_encoder([""])
-    out = []
-    for i in range(0, len(prompts), batch_size):
-        chunk, chunk_seeds = prompts[i:i + batch_size], seeds[i:i + batch_size]
-        ctx, mask = comp.text_encoder(chunk)
-        uctx, umask = empty_ctx.expand(len(chunk), -1, -1), empty_mask.expand(len(chunk), -1)
-        noise = torch.stack([torch.randn(shape_tail, generator=torch.Generator().manual_seed(int(s))) for s in chunk_seeds])
-
-        def model_fn(x, t, cond):
-            return model(x, t, cond[0].to(device), cond[1].to(device))
-
-        x = euler_sample(model_fn, noise.shape, cond=(ctx, mask), uncond=(uctx, umask) if guidance != 1.0 else None,
-                         guidance=guidance, num_steps=steps, noise=noise, device=device,
-                         shift=comp.objective.shift_for(tokens))
-        if comp.vae is not None:
-            x = comp.vae.decode(x)  # normalised latents -> pixels (B, 3, T, H, W)
-        out.append(to_uint8(x))
-    model.train(was_training)
-    return torch.cat(out) if out else torch.empty(0, pf, ph, pw, 3, dtype=torch.uint8)
+    out = tc.generate(model, comp.text_encoder, comp.objective, prompts, seeds, shape=(c, t_lat, h, w),
+                      num_tokens=comp.model.cfg.tokens(t_lat, h, w), steps=steps, guidance=guidance, device=device,
+                      batch_size=batch_size, decode=comp.vae.decode if comp.vae is not None else None)
+    return torch.cat([tc.to_uint8(x) for x in out]) if out else torch.empty(0, pf, ph, pw, 3, dtype=torch.uint8)
 
 
-def to_uint8(x: torch.Tensor) -> torch.Tensor:
-    """(B, C, T, H, W) in [-1, 1] -> uint8 (B, T, H, W, C)."""
-    return ((x.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 4, 1).cpu()
+def flops(comp: Components, inputs: tuple) -> float:
+    """Forward FLOPs of a prepared micro-batch at its own model-space clip shape (buckets vary it)."""
+    x_t = inputs[0]
+    return comp.model.flops_per_sample(*x_t.shape[-3:]) * len(x_t)
 
 
 # --------------------------------------------------------------------------- writers
@@ -230,7 +196,6 @@ def _even(frames: np.ndarray) -> np.ndarray:
 
 def save_mp4(frames, path: str, fps: float, scale: int = 1) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    from data.sources.video import encode_mp4  # the shard writer's encoder: byte-reproducible H.264
     data, _codec = encode_mp4(list(_upscale(np.asarray(frames), scale)), fps, crf=18)
     with open(path, "wb") as f:
         f.write(data)
@@ -263,3 +228,17 @@ def save_video_grid(clips: torch.Tensor, stem: str, fps: float, scale: int = 1) 
     save_mp4(grid, stem + ".mp4", fps, scale)
     save_gif(grid, stem + ".gif", fps, scale)
     return [stem + ".mp4", stem + ".gif"]
+
+
+def write_grid(clips: torch.Tensor, stem: str, comp: Components, options: dict) -> list[str]:
+    return save_video_grid(clips, stem, options.get("fps") or comp.cfg.sample.fps,
+                           options.get("scale") or comp.cfg.sample.scale)
+
+
+def write_clip(clip: torch.Tensor, stem: str, comp: Components, options: dict) -> tuple[dict, dict]:
+    """One MP4 and one GIF; the index records the clip's frame count."""
+    fps, scale = options.get("fps") or comp.cfg.sample.fps, options.get("scale") or comp.cfg.sample.scale
+    save_mp4(clip.numpy(), stem + ".mp4", fps, scale)
+    save_gif(clip.numpy(), stem + ".gif", fps, scale)
+    name = os.path.basename(stem)
+    return {"file": name + ".mp4", "gif": name + ".gif"}, {"frames": int(clip.shape[0])}

@@ -1,18 +1,17 @@
 """The text2video run configuration: the shared sections from common.config plus this pipeline's.
 
-The text tower and diffusion sections are text2image's (same captions, same objective); the
-model, video, vae and sample sections are video specific. Training runs in pixel space
-(vae.path empty) or in the latent space of a frozen diffusers video VAE (vae.path set; see
-pipelines/text2video/vae.py): model.frames / image_size / image_width then give the PIXEL clip
+The text tower section is the shared one (common.config.TextConfig); the diffusion section is
+rectified flow only; the model, video, vae and sample sections are video specific. Training runs
+in pixel space (vae.path empty) or in the latent space of a frozen diffusers video VAE (vae.path
+set; see pipelines/text2video/vae.py): model.frames / image_size / image_width then give the PIXEL clip
 the loader decodes, and the VideoDiT sees the VAE's latent shape.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import (ConfigError, DataConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig,
+from common.config import (ConfigError, DataConfig, OptimConfig, ParallelConfig, RunConfig, TextConfig, TrainConfig,
                            check_run_config, doc)
-from pipelines.text2image.config import TextConfig
 
 
 @dataclass

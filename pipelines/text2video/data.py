@@ -15,8 +15,9 @@ import io
 import numpy as np
 import torch
 
+from common.data.captions import caption_of
+from common.data.images import IMAGE_EXTS, image_bytes
 from common.data.media import decode_video
-from pipelines.text2image.data import IMAGE_EXTS, first_examples  # noqa: F401 (first_examples: re-export)
 
 
 def _resize_frames(video: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
@@ -51,10 +52,7 @@ class ClipDecoder:
         return _resize_frames(arr.float().div_(127.5).sub_(1.0)[None], size)
 
     def __call__(self, sample: dict) -> dict:
-        caption = sample.get("txt")
-        if caption is None:
-            raise ValueError("sample has no txt caption")
-        text = caption.decode("utf-8").strip() if isinstance(caption, bytes) else str(caption)
+        text = caption_of(sample)
         frames = self.frames
         size = (self.size, self.size) if isinstance(self.size, int) else tuple(self.size)
         bucket = sample.get("__bucket__")
@@ -68,7 +66,7 @@ class ClipDecoder:
             if frames != 1 and bucket is None:
                 # Without buckets every batch must hold model.frames frames; an image cannot.
                 raise ValueError(f"an image sample in a {frames}-frame batch (joint training needs data.buckets)")
-            video = self._image(next(sample[e] for e in IMAGE_EXTS if e in sample), size)
+            video = self._image(image_bytes(sample), size)
         else:
             wanted = {"auto": "npy or mp4", "mp4": "mp4", "npy": "npy"}[self.source]
             raise ValueError(f"sample has no video ({wanted})")

@@ -18,8 +18,8 @@ combined with context parallelism. The 3-D RoPE table is applied before the regr
 a group the other axes' coordinates are equal, so their rotations cancel in q.k and the
 factorized blocks see exactly the spatial (resp. temporal) RoPE slice.
 
-Same structure as text2image's DiT (embed, blocks, head, final, rope, grid) so that the
-parallelize code (FSDP units, TP plans, AC, PP stages, CP hooks) can be mirrored.
+Built on the shared DiT trunk (common/nn/dit.py: conditioning, blocks, final layer), so the
+DiT family's parallel plans (common/nn/dit_parallel.py) apply unchanged.
 """
 from __future__ import annotations
 
@@ -27,13 +27,10 @@ import math
 from dataclasses import dataclass, fields, replace
 
 import torch
-from torch import nn
 
 from common.kernels import attention, rope_frequencies
-from common.nn import (CaptionProjection, DiTBlock, FinalLayer, TimestepEmbedder, VideoPatchEmbed, grid_positions,
-                       reset_dit_parameters, sincos_2d, sincos_nd, unpatchify3d)
-# The frozen open_clip text tower is the text2image one (same captions, same tokenizer).
-from pipelines.text2image.model import TextEncoder, TextEncoderConfig  # noqa: F401  (re-export)
+from common.nn import VideoPatchEmbed, grid_positions, sincos_2d, sincos_nd, unpatchify3d
+from common.nn.dit import DiTTrunk
 
 
 def default_rope_axes(head_dim: int) -> tuple[int, int, int]:
@@ -156,14 +153,6 @@ def video_dit_flops(cfg: VideoDiTConfig, frames: int | None = None, height: int 
     return int(cfg.depth * dense + attn + embed + cond)
 
 
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """(B, L, D) -> (B, D) mean over valid tokens (mask True = valid); all-masked rows give 0."""
-    if mask is None:
-        return x.mean(1)
-    w = mask.to(x.dtype)[..., None]
-    return (x * w).sum(1) / w.sum(1).clamp_min(1.0)
-
-
 class FactorizedAttention:
     """An `attn_impl` for SelfAttention: attends within frames ("spatial") or within spatial
     positions across time ("temporal"). q, k, v arrive as (B, H, T*S, Dh) in (t, s) token order,
@@ -197,9 +186,8 @@ class FactorizedAttention:
         return out.reshape(b, h, n, dh)
 
 
-class VideoDiT(nn.Module):
+class VideoDiT(DiTTrunk):
     def __init__(self, cfg: VideoDiTConfig):
-        super().__init__()
         if cfg.hidden % cfg.heads:
             raise ValueError(f"hidden {cfg.hidden} not divisible by heads {cfg.heads}")
         axes = cfg.rope_axes
@@ -212,23 +200,24 @@ class VideoDiT(nn.Module):
             raise ValueError(f"abs_pos must be 'none', 'spatial' or '3d', got {cfg.abs_pos!r}")
         if cfg.abs_pos != "none" and cfg.hidden % 4:
             raise ValueError(f"abs_pos={cfg.abs_pos!r} needs hidden divisible by 4, got {cfg.hidden}")
+        patch_embed = VideoPatchEmbed(cfg.in_channels, cfg.hidden, cfg.patch_size, cfg.temporal_patch, cfg.patch_embed)
+        super().__init__(patch_embed, hidden=cfg.hidden, heads=cfg.heads, depth=cfg.depth, mlp_ratio=cfg.mlp_ratio,
+                         qk_norm=cfg.qk_norm, text_dim=cfg.text_dim, pooled_text=cfg.pooled_text,
+                         out_dim=cfg.patch_dim)
         self.cfg = cfg
-        d = cfg.hidden
-        self.patch_embed = VideoPatchEmbed(cfg.in_channels, d, cfg.patch_size, cfg.temporal_patch, cfg.patch_embed)
-        self.t_embedder = TimestepEmbedder(d)
-        self.t_block = nn.Sequential(nn.SiLU(), nn.Linear(d, 6 * d))  # adaLN-single global t0
-        self.caption_proj = CaptionProjection(cfg.text_dim, d)
-        self.pooled_proj = CaptionProjection(cfg.text_dim, d) if cfg.pooled_text else None
-        self.blocks = nn.ModuleList(DiTBlock(d, cfg.heads, cfg.mlp_ratio, qk_norm=cfg.qk_norm)
-                                    for _ in range(cfg.depth))
         if cfg.attention == "factorized":
             for i, block in enumerate(self.blocks):
                 block.attn.attn_impl = FactorizedAttention("spatial" if i % 2 == 0 else "temporal")
-        self.final = FinalLayer(d, cfg.patch_dim)
-        self.reset_parameters()
+        self.reset_parameters()  # as the image DiT: identity blocks, zero final layer
 
-    def reset_parameters(self) -> None:
-        reset_dit_parameters(self)  # as the image DiT: identity blocks, zero final layer
+    def parallel_limits(self) -> dict[str, str]:
+        """Parallel dimensions this model cannot use, with the reason."""
+        limits = {"pp": "pipeline stages are not built for the VideoDiT yet; use fsdp, tp or cp"}
+        if self.cfg.attention != "full":
+            limits["cp"] = (f"context parallelism shards the full-attention sequence; model.attention="
+                            f"{self.cfg.attention!r} groups tokens by frame and by position across frames, which "
+                            "the shards would cut (use model.attention=full, or parallel.cp=1)")
+        return limits
 
     # ------------------------------------------------------------------ geometry
     def grid(self, x: torch.Tensor) -> tuple[int, int, int]:
@@ -280,10 +269,7 @@ class VideoDiT(nn.Module):
         pos = self.pos_embed(grid, x.device)
         if pos is not None:
             h = h + pos.to(h.dtype)
-        temb = self.t_embedder(t)
-        if self.pooled_proj is not None:
-            temb = temb + self.pooled_proj(_masked_mean(context.to(h.dtype), context_mask))
-        return h, self.t_block(temb), temb, self.caption_proj(context.to(h.dtype))
+        return (h, *self.condition(t, context, context_mask, h.dtype))
 
     def head(self, h: torch.Tensor, temb: torch.Tensor, grid: tuple[int, int, int],
              frames: int | None = None) -> torch.Tensor:
@@ -303,9 +289,7 @@ class VideoDiT(nn.Module):
         grid = self.grid(x)
         self.set_grid(grid)
         h, t0, temb, ctx = self.embed(x, t, context, context_mask)
-        rope = self.rope(*grid, x.device)
-        for block in self.blocks:
-            h = block(h, t0, ctx, context_mask, rope)
+        h = self.run_blocks(h, t0, ctx, context_mask, self.rope(*grid, x.device))
         out = self.head(h, temb, grid, x.shape[2])
         return out[:, :, 0] if image else out
 

@@ -1,0 +1,33 @@
+"""Captions and attributes of shard samples, shared by every text-conditioned pipeline."""
+from __future__ import annotations
+
+import json
+
+
+def caption_of(sample: dict) -> str:
+    """The sample's `txt` caption as a stripped str; ValueError (a corrupt sample) without one."""
+    caption = sample.get("txt")
+    if caption is None:
+        raise ValueError("sample has no txt caption")
+    return caption.decode("utf-8").strip() if isinstance(caption, bytes) else str(caption)
+
+
+def read_attributes(sample: dict) -> dict:
+    """The sample's `json` metadata (shape, colour, motion, size, ...), {} without one."""
+    raw = sample.get("json")
+    return json.loads(raw) if raw else {}
+
+
+def first_examples(spec: str, n: int) -> list[tuple[str, dict]]:
+    """(caption, attributes) of the first n samples of some shards, in shard order (no shuffle):
+    the fixed held-out prompts of sample grids and eval."""
+    from common.data.shards import ShardIndex, expand_shards
+    index = ShardIndex(expand_shards(spec))
+    out = []
+    for shard_id, size in enumerate(index.shard_sizes):
+        for sample_id in range(size):
+            if len(out) == n:
+                return out
+            s = index.read(shard_id, sample_id)
+            out.append((caption_of(s), read_attributes(s)))
+    return out

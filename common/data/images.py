@@ -1,0 +1,73 @@
+"""Image decoding for training (shard sample -> tensors) and image grids for samples.
+
+Any exception in a decoder marks the sample corrupt: the loader skips it and counts it.
+"""
+from __future__ import annotations
+
+import io
+import math
+import os
+
+import numpy as np
+import torch
+from PIL import Image
+
+from common.data.captions import caption_of
+
+IMAGE_EXTS = ("png", "jpg", "jpeg", "webp")
+
+
+def image_bytes(sample: dict) -> bytes | None:
+    """The raw bytes of the sample's first image extension, None without one."""
+    return next((sample[e] for e in IMAGE_EXTS if e in sample), None)
+
+
+class ImageDecoder:
+    """Picklable (loader workers receive it): image -> (3, S, S) float in [-1, 1] (scaled to
+    cover, centre-cropped), caption str; `latent` instead of the image when use_latents and the
+    sample has a precomputed `latent.npy`."""
+
+    def __init__(self, image_size: int, use_latents: bool = False):
+        self.image_size = image_size
+        self.use_latents = use_latents
+
+    def _image(self, raw: bytes) -> torch.Tensor:
+        img = Image.open(io.BytesIO(raw))
+        img.load()  # force a full decode so truncated files fail here, not later
+        img = img.convert("RGB")
+        s = self.image_size
+        if img.size != (s, s):
+            w, h = img.size
+            scale = s / min(w, h)
+            img = img.resize((max(s, round(w * scale)), max(s, round(h * scale))), Image.BICUBIC)
+            left, top = (img.width - s) // 2, (img.height - s) // 2
+            img = img.crop((left, top, left + s, top + s))
+        arr = torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1)
+        return arr.float().div_(127.5).sub_(1.0)
+
+    def __call__(self, sample: dict) -> dict:
+        out = {"caption": caption_of(sample)}
+        if self.use_latents and "latent.npy" in sample:
+            out["latent"] = torch.from_numpy(np.load(io.BytesIO(sample["latent.npy"])).astype(np.float32))
+            return out
+        raw = image_bytes(sample)
+        if raw is None:
+            raise ValueError(f"sample has no image (looked for {', '.join(IMAGE_EXTS)})")
+        out["image"] = self._image(raw)
+        return out
+
+
+def save_grid(images: torch.Tensor, path: str, cols: int | None = None, scale: int = 1) -> None:
+    """Tile uint8 (N, H, W, 3) images into one PNG, upscaled by `scale` (nearest) for viewing."""
+    n, h, w, _ = images.shape
+    cols = cols or math.ceil(math.sqrt(n))
+    rows = math.ceil(n / cols)
+    grid = torch.zeros(rows * (h + 2) + 2, cols * (w + 2) + 2, 3, dtype=torch.uint8) + 255
+    for i in range(n):
+        r, c = divmod(i, cols)
+        grid[2 + r * (h + 2): 2 + r * (h + 2) + h, 2 + c * (w + 2): 2 + c * (w + 2) + w] = images[i]
+    img = Image.fromarray(grid.numpy())
+    if scale > 1:
+        img = img.resize((img.width * scale, img.height * scale), Image.NEAREST)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    img.save(path)

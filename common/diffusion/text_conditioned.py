@@ -1,0 +1,89 @@
+"""Training step and sampling loop shared by the text-conditioned diffusion pipelines.
+
+A pipeline supplies how a batch becomes model-space inputs (`encode`), how many tokens an input
+makes (the flow shift depends on it) and, for sampling, the model-space shape and a decoder back
+to pixels; everything else (per-sample seeds, caption dropout for CFG, the objective's training
+example, guided sampling with one unconditional caption) is the same for images and videos.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .flow import mse_per_sample
+from .noise import drop_captions, sample_seeds
+
+
+def diffusion_step_fns(*, encode: Callable[[dict], torch.Tensor], tokens_of: Callable[[torch.Tensor], int],
+                       text_encoder, objective, run_seed: int, cfg_dropout: float, device):
+    """(prepare, criterion) for common.trainer.Trainer. prepare holds everything without
+    trainable weights (text tower, VAE, timesteps, noise) and returns the model's inputs
+    (x_t, t, context, mask) and the regression target; criterion is the batch-mean MSE."""
+
+    @torch.no_grad()
+    def prepare(batch):
+        seeds = sample_seeds(run_seed, batch["__position__"])
+        context, mask = text_encoder(drop_captions(batch["caption"], seeds, cfg_dropout))
+        x0 = encode(batch)
+        x_t, t, target = objective.training_example(x0, seeds, num_tokens=tokens_of(x0))
+        return (x_t, t, context.to(device), mask.to(device)), target
+
+    def criterion(pred, target):
+        return mse_per_sample(pred, target).mean()
+
+    return prepare, criterion
+
+
+@torch.no_grad()
+def generate(model, text_encoder, objective, prompts: list[str], seeds: list[int], *, shape: tuple[int, ...],
+             num_tokens: int, steps: int, guidance: float, device, batch_size: int,
+             decode: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Model-space noise of `shape` per prompt (seeded by seeds[i] alone), sampled with
+    classifier-free guidance against the empty caption, decoded by `decode` (e.g. a VAE); one
+    tensor per chunk of batch_size prompts, on the CPU. Output i depends only on (prompts[i], seeds[i])."""
+    was_training = model.training
+    model.eval()
+    out = []
+    empty_ctx, empty_mask = text_encoder([""])  # the unconditional caption, encoded once
+    for i in range(0, len(prompts), batch_size):
+        chunk, chunk_seeds = prompts[i:i + batch_size], seeds[i:i + batch_size]
+        ctx, mask = text_encoder(chunk)
+        uctx, umask = empty_ctx.expand(len(chunk), -1, -1), empty_mask.expand(len(chunk), -1)
+        noise = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(int(s))) for s in chunk_seeds])
+
+        def model_fn(x, t, cond):
+            return model(x, t, cond[0].to(device), cond[1].to(device))
+
+        x = objective.sample(model_fn, noise, cond=(ctx, mask), uncond=(uctx, umask) if guidance != 1.0 else None,
+                             guidance=guidance, num_steps=steps, num_tokens=num_tokens, device=device)
+        out.append((decode(x) if decode is not None else x).float().cpu())
+    model.train(was_training)
+    return out
+
+
+def to_uint8(x: torch.Tensor) -> torch.Tensor:
+    """[-1, 1] floats -> uint8 with channels moved last ((B, C, ...) -> (B, ..., C))."""
+    x = ((x.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    return x.permute(0, *range(2, x.dim()), 1).cpu()
+
+
+@dataclass
+class TextDiffusionComponents:
+    """What a text-conditioned diffusion run is built from (the `components` of a PipelineSpec)."""
+    cfg: Any
+    model: torch.nn.Module
+    text_encoder: torch.nn.Module
+    objective: Any               # RectifiedFlow | DDPM: training_example / loss / sample alike
+    vae: Any                     # frozen latent codec with .to(device), or None for pixel space
+
+    @property
+    def frozen(self) -> dict:
+        """Frozen modules saved with checkpoints (the VAE is not: run.vae.path names it)."""
+        return {"text_encoder": self.text_encoder}
+
+    def to(self, device) -> None:
+        for m in (self.model, self.text_encoder, self.vae):
+            if m is not None:
+                m.to(device)

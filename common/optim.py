@@ -1,0 +1,42 @@
+"""AdamW with decoupled weight decay and the LR schedule (linear warmup, then cosine or constant).
+
+The LR is a pure function of the step, so a resumed run continues the schedule exactly.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def lr_at(step: int, total_steps: int, optim_cfg) -> float:
+    """LR for the optimizer step with 0-based index `step`: linear warmup, then cosine or constant."""
+    peak = optim_cfg.lr
+    warm = optim_cfg.warmup_steps
+    if warm > 0 and step < warm:
+        return peak * (step + 1) / warm
+    if optim_cfg.schedule == "constant":
+        return peak
+    span = max(1, total_steps - warm)
+    progress = min(1.0, (step - warm) / span)
+    floor = peak * optim_cfg.min_lr_ratio
+    return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_optimizer(model: torch.nn.Module, optim_cfg) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters only (frozen ones take no optimizer state)."""
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        # Norm gains, biases and tables of modulation offsets are not decayed (standard practice).
+        (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": optim_cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    # The foreach (multi-tensor) path cannot mix DTensors and plain tensors in one call, which
+    # tensor parallelism without FSDP produces (sharded linears, replicated norms); such a model
+    # takes the per-parameter path. Under FSDP every parameter is a DTensor and foreach stays on.
+    kinds = {isinstance(p, DTensor) for g in groups for p in g["params"]}
+    return torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2),
+                             eps=optim_cfg.eps, foreach=len(kinds) < 2)

@@ -1,0 +1,196 @@
+"""The shared entrypoints every pipeline hands its spec (common/pipeline.py) to.
+
+  train(spec)    process group, seeding, device moves, parallelize, the loader, the in-training
+                 sample hook, the Trainer and teardown
+  sample(spec)   prompts -> one file set per sample, index.jsonl and a grid, from a run's checkpoint
+  evaluate(...)  held-out prompts -> generated media -> a pipeline's analyser -> eval.json
+  load_run(spec) a run directory -> (components, checkpoint meta), weights loaded (EMA if any)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Callable
+
+import torch
+
+from common import dist as mdist
+from common.checkpoint import CheckpointError, load_for_inference
+from common.config import ConfigError, from_yaml_file, parse_cli
+from common.data import StreamingLoader
+from common.data.captions import first_examples
+from common.pipeline import PipelineSpec
+from common.trainer import Trainer
+
+
+def prog(spec: PipelineSpec, command: str) -> str:
+    return f"python -m pipelines.{spec.name}.{command}"
+
+
+# --------------------------------------------------------------------------- train
+def train(spec: PipelineSpec, argv=None) -> int:
+    cfg = parse_cli(spec.config, argv, prog(spec, "train"), spec.description)
+    info = mdist.init_distributed()
+    mdist.seed_everything(cfg.run.seed, info.rank)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    comp = spec.build(cfg)
+    comp.to(info.device)
+    prepare, criterion = spec.step_fns(comp, info.device)
+    n_params = sum(p.numel() for p in comp.model.parameters())  # before sharding: the whole model
+    pm = spec.parallelize(comp.model, cfg.parallel, info, microbatches=cfg.train.grad_accum, criterion=criterion,
+                          name=spec.name)
+    tokens = spec.bucket_tokens(comp) if spec.bucket_tokens else None
+    loader = StreamingLoader.from_config(cfg.data, spec.decoder(comp), dp_rank=pm.dp_rank, dp_size=pm.dp_size,
+                                         seed=cfg.run.seed, **({"tokens": tokens} if tokens else {}))
+    # Sample grids show the first held-out captions (e.g. compositions never seen in training).
+    prompts = [c for c, _ in first_examples(cfg.data.eval_shards, cfg.sample.num)] \
+        if cfg.data.eval_shards and cfg.sample.num else []
+    if info.is_main:
+        print(f"{spec.name}: {spec.describe(comp)}, {n_params / 1e6:.2f}M params, {loader.num_samples} training "
+              f"samples, world size {info.world_size} [{pm.dims.describe}], device {info.device}", flush=True)
+
+    def sample_fn(model_for_sampling, step: int) -> None:
+        if not prompts:
+            return
+        seeds = [cfg.sample.seed + i for i in range(len(prompts))]
+        media = spec.generate(comp, model_for_sampling, prompts, seeds, steps=cfg.sample.steps,
+                              guidance=cfg.sample.cfg, device=info.device)
+        if info.is_main:
+            stem = os.path.join(cfg.run.dir, "samples", f"step_{step:08d}")
+            os.makedirs(os.path.dirname(stem), exist_ok=True)
+            spec.write_grid(media, stem, comp, {})
+            with open(stem + ".txt", "w") as f:
+                f.write("\n".join(prompts) + "\n")
+
+    flops_fn = (lambda inputs: spec.flops(comp, inputs)) if spec.flops else None
+    trainer = Trainer(cfg, info, pm, prepare, criterion, loader, signature=spec.signature(comp),
+                      frozen=comp.frozen, sample_fn=sample_fn, flops_fn=flops_fn)
+    summary = trainer.fit()
+    if info.is_main:
+        print(f"done: step {summary['step']}, skipped steps {summary['skipped_steps']}, "
+              f"corrupt samples {summary['corrupt_samples']}; run dir {cfg.run.dir}", flush=True)
+    mdist.teardown()
+    return 0
+
+
+# --------------------------------------------------------------------------- inference
+def check_run_dir(run_dir: str) -> str:
+    """The run's config.yaml; CheckpointError if `run_dir` is not a run directory."""
+    path = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{run_dir} is not a run directory (no config.yaml)")
+    return path
+
+
+def load_run(spec: PipelineSpec, run_dir: str, checkpoint: str | None = None, use_ema: bool = True):
+    """(components, meta) with the checkpoint's weights (EMA if present) loaded; single process, eval mode."""
+    cfg = from_yaml_file(spec.config, check_run_dir(run_dir))
+    comp = spec.build(cfg)
+    meta = load_for_inference(checkpoint or os.path.join(run_dir, "checkpoints"), comp.model, comp.frozen,
+                              spec.signature(comp), use_ema=use_ema and cfg.train.ema_decay > 0)
+    return comp, meta
+
+
+def read_prompts(args) -> list[str]:
+    """--prompt, or the non-empty lines of --prompts."""
+    if args.prompt:
+        return [args.prompt]
+    if not os.path.isfile(args.prompts):
+        raise ConfigError(f"--prompts file not found: {args.prompts}")
+    with open(args.prompts) as f:
+        prompts = [line.strip() for line in f if line.strip()]
+    if not prompts:
+        raise ConfigError(f"--prompts file {args.prompts} has no prompts")
+    return prompts
+
+
+def _add_generation_args(p: argparse.ArgumentParser, noun: str) -> None:
+    p.add_argument("--steps", type=int, default=None, help="sampler steps (default: the run's sample.steps)")
+    p.add_argument("--cfg", type=float, default=None, help="guidance weight (default: the run's sample.cfg)")
+    p.add_argument("--seed", type=int, default=0, help=f"seed of the first {noun}; {noun} i uses seed + i")
+
+
+def _generation(comp, args) -> tuple[int, float]:
+    return args.steps or comp.cfg.sample.steps, comp.cfg.sample.cfg if args.cfg is None else args.cfg
+
+
+def sample(spec: PipelineSpec, argv=None, doc: str = "") -> int:
+    """sample.py: writes one file set per sample, index.jsonl (file -> prompt, seed, ...) and a grid."""
+    noun = spec.media_noun.rstrip("s")
+    p = argparse.ArgumentParser(prog=prog(spec, "sample"), description=doc.split("\n\n")[0] or None)
+    p.add_argument("--run", required=True, help="run directory (holds config.yaml and checkpoints/)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one prompt")
+    src.add_argument("--prompts", help="a text file with one prompt per line")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--num", type=int, default=1, help=f"{spec.media_noun} per prompt (default 1)")
+    _add_generation_args(p, noun)
+    dests = [p.add_argument(*flags, **kw).dest for flags, kw in spec.sample_options]
+    p.add_argument("--checkpoint", default=None, help="a specific checkpoint directory (default: latest)")
+    args = p.parse_args(argv)
+    if args.num < 1:
+        raise ConfigError("--num must be >= 1")
+    options = {d: getattr(args, d) for d in dests}
+    prompts = read_prompts(args)
+    comp, meta = load_run(spec, args.run, args.checkpoint)
+    steps, guidance = _generation(comp, args)
+    jobs = [(pr, args.seed + i) for i, pr in enumerate(pr for pr in prompts for _ in range(args.num))]
+    media = spec.generate(comp, comp.model, [j[0] for j in jobs], [j[1] for j in jobs], steps=steps,
+                          guidance=guidance, device=torch.device("cpu"),
+                          **{k: v for k, v in options.items() if k in spec.generate_options})
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "index.jsonl"), "w") as index:
+        for i, ((prompt, seed), item) in enumerate(zip(jobs, media)):
+            files, extra = spec.write_item(item, os.path.join(args.out, f"{i:05d}"), comp, options)
+            index.write(json.dumps({**files, "prompt": prompt, "seed": seed, **extra, "steps": steps,
+                                    "cfg": guidance, "checkpoint": meta["path"]}) + "\n")
+    grid = spec.write_grid(media, os.path.join(args.out, "grid"), comp, options)
+    print(f"wrote {len(media)} {spec.media_noun}, index.jsonl and {'/'.join(os.path.basename(g) for g in grid)} "
+          f"to {args.out} (checkpoint {meta['path']}, step {meta['step']})")
+    return 0
+
+
+def evaluate(spec: PipelineSpec, argv=None, doc: str = "", *, default_num: int, grid_max: int, needs: str,
+             data_hint: str,
+             score: Callable[[torch.Tensor, list[dict]], dict], report: Callable[[dict], str],
+             add_args: Callable[[argparse.ArgumentParser], None] | None = None,
+             extend: Callable[[argparse.Namespace, object, list, dict], list[str]] | None = None) -> int:
+    """eval.py: the first `--num` held-out samples' captions as prompts, the generated media
+    scored against the samples' attributes by `score(media, attributes)`, eval.json in the run.
+    needs: an attribute the held-out json must carry; report(result) -> the summary line;
+    extend(args, comp, examples, result) adds to result and returns extra lines to print."""
+    p = argparse.ArgumentParser(prog=prog(spec, "eval"), description=doc.split("\n\n")[0] or None)
+    p.add_argument("--run", required=True, help="run directory")
+    p.add_argument("--shards", default=None, help="held-out shards (default: the run's data.eval_shards)")
+    p.add_argument("--num", type=int, default=default_num, help=f"held-out prompts to generate (default {default_num})")
+    _add_generation_args(p, spec.media_noun.rstrip("s"))
+    p.add_argument("--save-grid", default=None, help=f"also write the first {grid_max} generated {spec.media_noun} "
+                                                     "as a grid at this path")
+    if add_args:
+        add_args(p)
+    args = p.parse_args(argv)
+    if args.num < 1:
+        raise ConfigError("--num must be >= 1")
+    comp, meta = load_run(spec, args.run)
+    if args.shards is None:
+        args.shards = comp.cfg.data.eval_shards
+    examples = first_examples(args.shards, args.num)
+    if not examples or needs not in examples[0][1]:
+        raise ConfigError(f"the held-out shards carry no {needs} attributes (json); eval needs {data_hint} shards")
+    steps, guidance = _generation(comp, args)
+    prompts = [e[0] for e in examples]
+    media = spec.generate(comp, comp.model, prompts, [args.seed + i for i in range(len(prompts))], steps=steps,
+                          guidance=guidance, device=torch.device("cpu"))
+    result = score(media, [e[1] for e in examples])
+    result.update({"step": meta["step"], "checkpoint": meta["path"], "steps": steps, "cfg": guidance})
+    lines = extend(args, comp, examples, result) if extend else []
+    with open(os.path.join(args.run, "eval.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    if args.save_grid:
+        stem, ext = os.path.splitext(args.save_grid)
+        spec.write_grid(media[:grid_max], stem if ext in (".png", ".mp4", ".gif") else args.save_grid, comp, {})
+    print(f"eval on {result['n']} held-out prompts (step {meta['step']}): {report(result)}")
+    for line in lines:
+        print(line)
+    return 0

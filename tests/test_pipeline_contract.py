@@ -1,0 +1,155 @@
+"""The pipeline contract: the dependency rules of DESIGN.md hold, and a new workload costs a spec
+(tests/toy_pipeline.py trains, checkpoints, resumes and samples through common/run.py)."""
+from __future__ import annotations
+
+import ast
+import io
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT, env
+
+TOY = os.path.join(ROOT, "tests", "toy_pipeline.py")
+
+
+# --------------------------------------------------------------------------- dependency rules
+def imports_of(path: str) -> set[str]:
+    """Every absolute module a file imports, function-local imports included."""
+    tree = ast.parse(open(path).read(), path)
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+    return out
+
+
+def python_files(top: str) -> list[str]:
+    return [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(ROOT, top)) for f in fs if f.endswith(".py")]
+
+
+def offenders(top: str, forbidden) -> list[str]:
+    return sorted(f"{os.path.relpath(p, ROOT)} imports {m}" for p in python_files(top)
+                  for m in imports_of(p) if forbidden(p, m))
+
+
+def test_import_collector_sees_local_and_aliased_imports(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("import pipelines.a as x\ndef g():\n    from pipelines.b import c\n")
+    assert {"pipelines.a", "pipelines.b", "pipelines.b.c"} <= imports_of(str(f))
+
+
+def test_common_imports_no_pipeline():
+    assert offenders("common", lambda p, m: m.split(".")[0] == "pipelines") == []
+
+
+def test_data_imports_no_pipeline():
+    assert offenders("data", lambda p, m: m.split(".")[0] == "pipelines") == []
+
+
+def test_no_pipeline_imports_another():
+    def other_pipeline(path, module):
+        own = os.path.relpath(path, os.path.join(ROOT, "pipelines")).split(os.sep)[0]
+        parts = module.split(".")
+        return parts[0] == "pipelines" and len(parts) > 1 and parts[1] != own
+    assert len(os.listdir(os.path.join(ROOT, "pipelines"))) >= 2
+    assert offenders("pipelines", other_pipeline) == []
+
+
+def test_common_parallel_imports_no_model():
+    # Models live in common/nn and pipelines/*/model.py; common/parallel holds mechanisms only.
+    assert offenders("common/parallel", lambda p, m: m.split(".")[0] == "pipelines" or m.startswith("common.nn")) == []
+
+
+# --------------------------------------------------------------------------- a toy pipeline
+@pytest.fixture(scope="module")
+def vectors(tmp_path_factory):
+    """Two shards of 8-d vectors: "up" ones around +1, "down" ones around -1; held-out set apart."""
+    import webdataset as wds
+    root = tmp_path_factory.mktemp("vectors")
+    rng = np.random.default_rng(0)
+    for split, shards in (("train", 2), ("heldout", 1)):
+        os.makedirs(root / split)
+        for s in range(shards):
+            with wds.TarWriter(str(root / split / f"{s:06d}.tar")) as w:
+                for i in range(32):
+                    up = (i + s) % 2 == 0
+                    x = (rng.standard_normal(8) * 0.1 + (1 if up else -1)).astype(np.float32)
+                    buf = io.BytesIO()
+                    np.save(buf, x)
+                    w.write({"__key__": f"{s}_{i}", "npy": buf.getvalue(), "txt": "up" if up else "down"})
+    return str(root)
+
+
+def toy(command: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, TOY, command, *args], env=env(), cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(proc.stderr[-3000:])
+    return proc
+
+
+def toy_train(run: str, data: str, *extra: str, check: bool = True):
+    return toy("train", f"run.dir={run}", f"data.train_shards={data}/train", f"data.eval_shards={data}/heldout",
+               "data.micro_batch_size=8", "data.num_workers=0", "train.steps=6", "train.log_every=1",
+               "train.ckpt_every=2", "train.progress=false", "train.ema_decay=0.9", "optim.lr=1e-2", *extra,
+               check=check)
+
+
+def losses(run: str) -> list[float]:
+    rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    return [r["loss"] for r in sorted((r for r in rows if "loss" in r), key=lambda r: r["step"])]
+
+
+def test_toy_spec_trains_resumes_and_samples(vectors, tmp_path):
+    whole, resumed = str(tmp_path / "whole"), str(tmp_path / "resumed")
+    toy_train(whole, vectors)
+    ref = losses(whole)
+    assert len(ref) == 6 and ref[-1] < ref[0]
+    # the in-training sample hook wrote the held-out prompts' samples
+    assert np.load(os.path.join(whole, "samples", "step_00000006.npy")).shape == (4, 8)
+    assert open(os.path.join(whole, "samples", "step_00000006.txt")).read().split() == ["up", "down", "up", "down"]
+
+    toy_train(resumed, vectors, "train.stop_after=3")  # killed after step 3: checkpoint of step 2 only
+    assert sorted(os.listdir(os.path.join(resumed, "checkpoints"))) == ["latest", "step_00000002"]
+    toy_train(resumed, vectors)
+    assert losses(resumed)[-4:] == ref[-4:]  # bit for bit after the resume
+
+    out = str(tmp_path / "out")
+    toy("sample", "--run", whole, "--prompt", "up", "--out", out, "--num", "3", "--steps", "8")
+    index = [json.loads(line) for line in open(os.path.join(out, "index.jsonl"))]
+    assert [(r["file"], r["prompt"], r["seed"], r["steps"]) for r in index] == \
+        [(f"{i:05d}.npy", "up", i, 8) for i in range(3)]
+    grid = np.load(os.path.join(out, "grid.npy"))
+    assert grid.shape == (3, 8) and np.array_equal(grid[1], np.load(os.path.join(out, "00001.npy")))
+
+
+def test_relaunch_with_another_model_keeps_the_run_config(vectors, tmp_path):
+    run = str(tmp_path / "run")
+    toy_train(run, vectors, "train.steps=2")
+    before = open(os.path.join(run, "config.yaml")).read()
+    proc = toy_train(run, vectors, "train.steps=4", "dim=16", check=False)
+    assert proc.returncode == 2 and "written for another model" in proc.stderr, proc.stderr[-2000:]
+    assert open(os.path.join(run, "config.yaml")).read() == before
+    proc = toy_train(run, vectors, "train.steps=4", "dim=16", "run.resume=none", check=False)
+    assert proc.returncode == 2 and "written for another model" in proc.stderr, proc.stderr[-2000:]
+    assert open(os.path.join(run, "config.yaml")).read() == before
+
+
+def test_toy_refuses_layouts_it_has_no_plan_for():
+    import torch
+
+    from common.config import ConfigError, ParallelConfig
+    from common.dist import DistInfo
+    sys.path.insert(0, os.path.dirname(TOY))
+    from toy_pipeline import SPEC, Denoiser
+    info = DistInfo(0, 2, 0, torch.device("cpu"), torch.float32)
+    with pytest.raises(ConfigError, match="parallel.tp=2 is not supported for toy"):
+        SPEC.parallelize(Denoiser(8), ParallelConfig(tp=2), info, name=SPEC.name)
