@@ -127,6 +127,69 @@ class TextConfig:
                                   "token features word-specific; 0: plain CLIP blocks (needed for CLIP weights)")
 
 
+@dataclass
+class ModelSizeConfig:
+    """A model section's sizes: a named preset, overridden field by field where set (> 0)."""
+    preset: str = doc("tiny", "tiny | S | B | XL: model size; the fields below override the preset where set (> 0)")
+    patch_size: int = doc(0, "(spatial) patch size in model-input pixels or latents (0: preset)")
+    hidden: int = doc(0, "transformer width (0: preset)")
+    depth: int = doc(0, "number of transformer blocks (0: preset)")
+    heads: int = doc(0, "attention heads (0: preset)")
+    mlp_ratio: float = doc(0.0, "MLP hidden / width (0: preset)")
+
+    def size_overrides(self) -> dict:
+        """The preset fields this section sets (> 0)."""
+        names = ("patch_size", "hidden", "depth", "heads", "mlp_ratio")
+        return {k: getattr(self, k) for k in names if getattr(self, k)}
+
+
+@dataclass
+class DiffusionConfig:
+    timesteps: str = doc("logit_normal", "flow: logit_normal | uniform")
+    logit_mean: float = doc(0.0, "flow: logit-normal mean")
+    logit_std: float = doc(1.0, "flow: logit-normal std")
+    shift: float = doc(0.0, "flow: fixed timestep shift (0: dependent on the token count, "
+                            "base_shift * sqrt(tokens / base_tokens); a video's tokens are T*H*W patches)")
+    base_shift: float = doc(1.0, "flow: shift at base_tokens")
+    base_tokens: int = doc(256, "flow: token count where the shift equals base_shift")
+    cfg_dropout: float = doc(0.1, "probability of replacing a caption by the empty caption (classifier-free guidance)")
+
+
+@dataclass
+class SampleConfig:
+    steps: int = doc(30, "sampler steps")
+    cfg: float = doc(3.0, "classifier-free guidance weight (1: no guidance)")
+    num: int = doc(16, "samples in the training-time grid (captions from data.eval_shards)")
+    seed: int = doc(1234, "seed of the sample grid's noise")
+
+
+@dataclass
+class RunSections:
+    """The sections every pipeline's config has (a pipeline's config class extends it)."""
+    run: RunConfig = doc(factory=RunConfig, help="run directory, seed, resume")
+    data: DataConfig = doc(factory=DataConfig, help="shards and loader")
+    optim: OptimConfig = doc(factory=OptimConfig, help="AdamW and LR schedule")
+    train: TrainConfig = doc(factory=TrainConfig, help="loop length, logging, checkpoints, EMA")
+    parallel: ParallelConfig = doc(factory=ParallelConfig, help="the parallel layout")
+
+
+@dataclass
+class TextDiffusionSections(RunSections):
+    """RunSections plus what every text-conditioned diffusion pipeline has."""
+    text: TextConfig = doc(factory=TextConfig, help="the frozen open_clip text tower")
+    diffusion: DiffusionConfig = doc(factory=DiffusionConfig, help="training objective")
+    sample: SampleConfig = doc(factory=SampleConfig, help="samples during training")
+
+    def check_text_diffusion(self) -> None:
+        for key, value in (("sample.steps", self.sample.steps), ("text.context_length", self.text.context_length)):
+            if value <= 0:
+                raise ConfigError(f"{key}={value} must be > 0")
+        if self.diffusion.timesteps not in ("logit_normal", "uniform"):
+            raise ConfigError(f"diffusion.timesteps={self.diffusion.timesteps!r} is not one of logit_normal, uniform")
+        if not 0.0 <= self.diffusion.cfg_dropout < 1.0:
+            raise ConfigError(f"diffusion.cfg_dropout={self.diffusion.cfg_dropout} must be in [0, 1)")
+
+
 # --------------------------------------------------------------------------- validation
 def check_run_config(cfg, positive: dict, choices: dict) -> None:
     """The checks every pipeline's run config shares (data, train, optim sections), then the

@@ -12,8 +12,18 @@ from typing import Any, Callable
 
 import torch
 
-from .flow import mse_per_sample
+from .ddpm import DDPM
+from .flow import RectifiedFlow, mse_per_sample
 from .noise import drop_captions, sample_seeds
+
+
+def objective_from_config(d):
+    """The objective a `diffusion` config section (common.config.DiffusionConfig) names: rectified
+    flow, or DDPM where the section has objective=ddpm (with ddpm_schedule, ddpm_prediction)."""
+    if getattr(d, "objective", "flow") == "flow":
+        return RectifiedFlow(timestep_sampling=d.timesteps, logit_mean=d.logit_mean, logit_std=d.logit_std,
+                             shift=d.shift or None, base_shift=d.base_shift, base_tokens=d.base_tokens)
+    return DDPM(schedule=d.ddpm_schedule, prediction=d.ddpm_prediction)
 
 
 def diffusion_step_fns(*, encode: Callable[[dict], torch.Tensor], tokens_of: Callable[[torch.Tensor], int],
@@ -87,3 +97,13 @@ class TextDiffusionComponents:
         for m in (self.model, self.text_encoder, self.vae):
             if m is not None:
                 m.to(device)
+
+
+def text_diffusion_spec(components, **fields):
+    """The PipelineSpec of a text-conditioned diffusion pipeline whose `components` module has
+    build, make_step_fns, signature(cfg, comp), generate and flops; `fields` give the rest
+    (name, config, parallelize, decoder, writers, ...)."""
+    from common.pipeline import PipelineSpec
+    return PipelineSpec(build=components.build, step_fns=components.make_step_fns,
+                        signature=lambda comp: components.signature(comp.cfg, comp),
+                        generate=components.generate, flops=components.flops, **fields)

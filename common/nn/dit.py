@@ -7,11 +7,57 @@ unpatchify. Parallel plans for the family are in common/nn/dit_parallel.py.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, fields, replace
+
 import torch
 from torch import nn
 
 from .dit_block import DiTBlock, FinalLayer, reset_dit_parameters
 from .embed import CaptionProjection, TimestepEmbedder
+
+
+@dataclass
+class DiTTrunkConfig:
+    """The trunk's sizes; a member's config extends it with its geometry (input size, patches)."""
+    hidden: int = 192
+    depth: int = 6
+    heads: int = 4
+    mlp_ratio: float = 4.0
+    text_dim: int = 128
+    text_len: int = 32          # used by the FLOP estimate only
+    qk_norm: bool = True
+    rope_theta: float = 10000.0
+    # Mean of the text tokens added to the timestep embedding, so the caption also reaches every
+    # block through adaLN (the pooled-text vector of SD3/Flux), besides cross-attention.
+    pooled_text: bool = True
+
+
+def preset_config(cls: type, presets: dict[str, dict], name: str, **overrides):
+    """cls(**presets[name]) with `overrides` replacing fields; ValueError naming an unknown preset
+    or field."""
+    if name not in presets:
+        raise ValueError(f"unknown {cls.__name__.removesuffix('Config')} preset {name!r}; choose from {sorted(presets)}")
+    bad = set(overrides) - {f.name for f in fields(cls)}
+    if bad:
+        raise ValueError(f"unknown {cls.__name__} fields {sorted(bad)}")
+    return replace(cls(**presets[name]), **overrides)
+
+
+def trunk_flops(cfg: DiTTrunkConfig, num_tokens: int, text_len: int) -> int:
+    """Forward FLOPs per sample (2 per multiply-add) of the trunk's matmuls except self-attention's
+    scores and weighted sum (which depend on the member's attention pattern): per block qkv and
+    output projections, cross-attention and MLP; the conditioning (timestep MLP, adaLN-single,
+    caption and pooled-caption projections). Norms and elementwise ops are ignored (<1%)."""
+    n, lt, d = num_tokens, text_len, cfg.hidden
+    mlp = int(d * cfg.mlp_ratio)
+    per_block = (2 * n * d * 3 * d + 2 * n * d * d                     # self-attn qkv, out
+                 + 2 * n * d * d + 2 * lt * d * 2 * d + 2 * n * d * d  # cross q, kv, out
+                 + 4 * n * lt * d                                      # cross scores + AV
+                 + 2 * 2 * n * d * mlp)                                # MLP
+    cond = 2 * (256 * d + d * d + d * 6 * d) + 2 * lt * (cfg.text_dim * d + d * d)
+    if cfg.pooled_text:
+        cond += 2 * (cfg.text_dim * d + d * d)
+    return cfg.depth * per_block + cond
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -26,18 +72,18 @@ class DiTTrunk(nn.Module):
     # Submodules that run before the blocks (owned by the first pipeline stage).
     EMBED_MODULES = ("patch_embed", "t_embedder", "t_block", "caption_proj", "pooled_proj")
 
-    def __init__(self, patch_embed: nn.Module, *, hidden: int, heads: int, depth: int, mlp_ratio: float,
-                 qk_norm: bool, text_dim: int, pooled_text: bool, out_dim: int):
+    def __init__(self, patch_embed: nn.Module, cfg: DiTTrunkConfig, out_dim: int):
+        """patch_embed: the member's input -> (B, N, hidden) tokens; out_dim: values per token
+        of the final layer (patch values to unpatchify)."""
         super().__init__()
-        d = hidden
+        d = cfg.hidden
         self.patch_embed = patch_embed
         self.t_embedder = TimestepEmbedder(d)
         self.t_block = nn.Sequential(nn.SiLU(), nn.Linear(d, 6 * d))  # adaLN-single global t0
-        self.caption_proj = CaptionProjection(text_dim, d)
-        # Mean of the text tokens added to the timestep embedding, so the caption also reaches
-        # every block through adaLN (the pooled-text vector of SD3/Flux), besides cross-attention.
-        self.pooled_proj = CaptionProjection(text_dim, d) if pooled_text else None
-        self.blocks = nn.ModuleList(DiTBlock(d, heads, mlp_ratio, qk_norm=qk_norm) for _ in range(depth))
+        self.caption_proj = CaptionProjection(cfg.text_dim, d)
+        self.pooled_proj = CaptionProjection(cfg.text_dim, d) if cfg.pooled_text else None
+        self.blocks = nn.ModuleList(DiTBlock(d, cfg.heads, cfg.mlp_ratio, qk_norm=cfg.qk_norm)
+                                    for _ in range(cfg.depth))
         self.final = FinalLayer(d, out_dim)
 
     def reset_parameters(self) -> None:

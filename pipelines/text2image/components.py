@@ -14,8 +14,6 @@ from common.config import ConfigError
 from common.data.images import save_grid
 from common.diffusion import noise as dnoise
 from common.diffusion import text_conditioned as tc
-from common.diffusion.ddpm import DDPM
-from common.diffusion.flow import RectifiedFlow
 from common.nn.text_encoder import build_text_encoder
 from pipelines.text2image.config import T2IConfig
 from pipelines.text2image.model import DiT, dit_config
@@ -38,9 +36,7 @@ class Components(tc.TextDiffusionComponents):
 
 
 def model_overrides(cfg: T2IConfig) -> dict:
-    m = cfg.model
-    fields = {"patch_size": m.patch_size, "hidden": m.hidden, "depth": m.depth, "heads": m.heads, "mlp_ratio": m.mlp_ratio}
-    return {k: v for k, v in fields.items() if v}
+    return cfg.model.size_overrides()
 
 
 def load_vae(cfg: T2IConfig):
@@ -54,14 +50,6 @@ def load_vae(cfg: T2IConfig):
     if cfg.model.image_size % factor:
         raise ConfigError(f"model.image_size={cfg.model.image_size} is not divisible by the VAE's downsampling factor {factor}")
     return vae, vae.config.latent_channels, cfg.model.image_size // factor
-
-
-def build_objective(cfg: T2IConfig):
-    d = cfg.diffusion
-    if d.objective == "flow":
-        return RectifiedFlow(timestep_sampling=d.timesteps, logit_mean=d.logit_mean, logit_std=d.logit_std,
-                             shift=d.shift or None, base_shift=d.base_shift, base_tokens=d.base_tokens)
-    return DDPM(schedule=d.ddpm_schedule, prediction=d.ddpm_prediction)
 
 
 def build(cfg: T2IConfig) -> Components:
@@ -78,7 +66,7 @@ def build(cfg: T2IConfig) -> Components:
         if dcfg.hidden % dcfg.heads:
             raise ConfigError(f"model.hidden={dcfg.hidden} is not divisible by model.heads={dcfg.heads}")
         model = DiT(dcfg)
-    return Components(cfg, model, text, build_objective(cfg), vae, channels, size)
+    return Components(cfg, model, text, tc.objective_from_config(cfg.diffusion), vae, channels, size)
 
 
 def signature(cfg: T2IConfig, comp: Components) -> dict:

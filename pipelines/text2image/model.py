@@ -8,36 +8,25 @@ DiT forward:  patches -> tokens (+ 2-D RoPE in attention, no absolute embedding)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 
 import torch
 
 from common.kernels import rope_frequencies
 from common.nn import PatchEmbed2d, sincos_2d, unpatchify
-from common.nn.dit import DiTTrunk
+from common.nn.dit import DiTTrunk, DiTTrunkConfig, preset_config, trunk_flops
 
 
 # --------------------------------------------------------------------------- DiT
 @dataclass
-class DiTConfig:
+class DiTConfig(DiTTrunkConfig):
     img_size: int = 32
     in_channels: int = 3
     patch_size: int = 4
-    hidden: int = 192
-    depth: int = 6
-    heads: int = 4
-    mlp_ratio: float = 4.0
-    text_dim: int = 128
-    text_len: int = 32          # used by the FLOP estimate only
-    qk_norm: bool = True
-    rope_theta: float = 10000.0
     patch_embed: str = "conv"   # "conv" | "linear"
     # RoPE alone is relative: "top left" or "in the centre" can only be inferred from border
     # effects. A fixed sin-cos table (as in DiT) gives every token its absolute place.
     abs_pos: bool = True
-    # Mean of the text tokens added to the timestep embedding, so the caption also reaches every
-    # block through adaLN (the pooled-text vector of SD3/Flux), besides cross-attention.
-    pooled_text: bool = True
 
     @property
     def num_tokens(self) -> int:
@@ -57,13 +46,7 @@ _PRESETS = {
 
 
 def dit_config(name: str, **overrides) -> DiTConfig:
-    if name not in _PRESETS:
-        raise ValueError(f"unknown DiT preset {name!r}; choose from {sorted(_PRESETS)}")
-    known = {f.name for f in fields(DiTConfig)}
-    bad = set(overrides) - known
-    if bad:
-        raise ValueError(f"unknown DiTConfig fields {sorted(bad)}")
-    return replace(DiTConfig(**_PRESETS[name]), **overrides)
+    return preset_config(DiTConfig, _PRESETS, name, **overrides)
 
 
 def dit_flops(cfg: DiTConfig, num_tokens: int | None = None, text_len: int | None = None) -> int:
@@ -72,14 +55,9 @@ def dit_flops(cfg: DiTConfig, num_tokens: int | None = None, text_len: int | Non
     n = cfg.num_tokens if num_tokens is None else num_tokens
     lt = cfg.text_len if text_len is None else text_len
     d, pd = cfg.hidden, cfg.patch_size ** 2 * cfg.in_channels
-    mlp = int(d * cfg.mlp_ratio)
-    per_block = (2 * n * d * 3 * d + 2 * n * d * d + 4 * n * n * d       # self-attn
-                 + 2 * n * d * d + 2 * lt * d * 2 * d + 2 * n * d * d    # cross q, kv, out
-                 + 4 * n * lt * d                                        # cross scores + AV
-                 + 2 * 2 * n * d * mlp)                                  # MLP
+    attn = cfg.depth * 4 * n * n * d                                     # self-attn scores + AV
     embed = 2 * n * pd * d + 2 * n * d * pd                              # patch in, final out
-    cond = 2 * (256 * d + d * d + d * 6 * d) + 2 * lt * (cfg.text_dim * d + d * d)
-    return int(cfg.depth * per_block + embed + cond)
+    return int(trunk_flops(cfg, n, lt) + attn + embed)
 
 
 class DiT(DiTTrunk):
@@ -88,9 +66,7 @@ class DiT(DiTTrunk):
         if cfg.hidden % cfg.heads or head_dim % 4:
             raise ValueError(f"hidden/heads = {cfg.hidden}/{cfg.heads} must give a head dim divisible by 4 "
                              "(2-D RoPE splits it into two rotate-half axes)")
-        patch_embed = PatchEmbed2d(cfg.in_channels, cfg.hidden, cfg.patch_size, cfg.patch_embed)
-        super().__init__(patch_embed, hidden=cfg.hidden, heads=cfg.heads, depth=cfg.depth, mlp_ratio=cfg.mlp_ratio,
-                         qk_norm=cfg.qk_norm, text_dim=cfg.text_dim, pooled_text=cfg.pooled_text,
+        super().__init__(PatchEmbed2d(cfg.in_channels, cfg.hidden, cfg.patch_size, cfg.patch_embed), cfg,
                          out_dim=cfg.patch_size ** 2 * cfg.in_channels)
         self.cfg = cfg
         self.reset_parameters()

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from common.config import ConfigError
 from common.data.images import ImageDecoder
+from common.diffusion.text_conditioned import text_diffusion_spec
 from common.nn.dit_parallel import parallelize_dit
-from common.pipeline import PipelineSpec
 from pipelines.text2image import components
 from pipelines.text2image.config import T2IConfig
 
@@ -17,19 +17,15 @@ def decoder(comp: components.Components) -> ImageDecoder:
     return ImageDecoder(cfg.model.image_size, use_latents=bool(cfg.vae.path))
 
 
-SPEC = PipelineSpec(
+SPEC = text_diffusion_spec(
+    components,
     name="text2image",
     description="Train a text-to-image DiT.",
     config=T2IConfig,
-    build=components.build,
-    step_fns=components.make_step_fns,
     parallelize=parallelize_dit,
     decoder=decoder,
-    signature=lambda comp: components.signature(comp.cfg, comp),
-    generate=components.generate,
     write_grid=components.write_grid,
     write_item=components.write_image,
     describe=lambda comp: f"DiT, {comp.num_tokens} tokens/sample",
-    flops=components.flops,
     media_noun="images",
 )

@@ -23,7 +23,6 @@ from common.config import ConfigError
 from common.data.media import encode_mp4
 from common.diffusion import noise as dnoise
 from common.diffusion import text_conditioned as tc
-from common.diffusion.flow import RectifiedFlow
 from common.nn.text_encoder import build_text_encoder
 from pipelines.text2video.config import T2VConfig
 from pipelines.text2video.model import VideoDiT, video_dit_config
@@ -66,18 +65,10 @@ def pixel_clip_shape(cfg: T2VConfig) -> tuple[int, int, int]:
 
 def model_overrides(cfg: T2VConfig) -> dict:
     m = cfg.model
-    fields = {"patch_size": m.patch_size, "temporal_patch": m.temporal_patch, "hidden": m.hidden, "depth": m.depth,
-              "heads": m.heads, "mlp_ratio": m.mlp_ratio}
-    out = {k: v for k, v in fields.items() if v}
+    out = m.size_overrides() | ({"temporal_patch": m.temporal_patch} if m.temporal_patch else {})
     out.update(frames=m.frames, height=m.image_size, width=m.image_width or m.image_size, in_channels=m.in_channels,
                attention=m.attention, abs_pos=m.abs_pos)
     return out
-
-
-def build_objective(cfg: T2VConfig) -> RectifiedFlow:
-    d = cfg.diffusion
-    return RectifiedFlow(timestep_sampling=d.timesteps, logit_mean=d.logit_mean, logit_std=d.logit_std,
-                         shift=d.shift or None, base_shift=d.base_shift, base_tokens=d.base_tokens)
 
 
 def load_vae(cfg: T2VConfig) -> VideoVae | None:
@@ -129,7 +120,7 @@ def build(cfg: T2VConfig) -> Components:
             model = VideoDiT(vcfg)
         except ValueError as e:
             raise ConfigError(f"model: {e}") from None
-    return Components(cfg, model, text, build_objective(cfg), vae)
+    return Components(cfg, model, text, tc.objective_from_config(cfg.diffusion), vae)
 
 
 def signature(cfg: T2VConfig, comp: Components) -> dict:

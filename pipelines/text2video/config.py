@@ -10,24 +10,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import (ConfigError, DataConfig, OptimConfig, ParallelConfig, RunConfig, TextConfig, TrainConfig,
-                           check_run_config, doc)
+from common.config import ConfigError, ModelSizeConfig, SampleConfig, TextDiffusionSections, check_run_config, doc
 
 
 @dataclass
-class ModelConfig:
-    preset: str = doc("tiny", "tiny | S | B | XL: VideoDiT size; the fields below override the preset where set (> 0)")
+class ModelConfig(ModelSizeConfig):
     frames: int = doc(8, "PIXEL frames per training clip (with vae.path and a causal video VAE: 1 + k * its "
                          "temporal factor, e.g. 5, 9, 17, ... 129 for 4x, giving 1 + k latent frames)")
     image_size: int = doc(32, "PIXEL frame height (with vae.path: divisible by the VAE's spatial factor; the model "
                               "sees image_size / factor latents)")
     image_width: int = doc(0, "PIXEL frame width (0: image_size, square frames)")
-    patch_size: int = doc(0, "spatial patch size (0: preset)")
     temporal_patch: int = doc(0, "temporal patch size (0: preset)")
-    hidden: int = doc(0, "transformer width (0: preset)")
-    depth: int = doc(0, "number of DiT blocks (0: preset)")
-    heads: int = doc(0, "attention heads (0: preset)")
-    mlp_ratio: float = doc(0.0, "MLP hidden / width (0: preset)")
     attention: str = doc("full", "full (all T*H*W tokens; context parallel capable) | factorized (spatial / "
                                  "temporal blocks alternating; one device only)")
     abs_pos: str = doc("spatial", "absolute position table added to the tokens: spatial (2-D sin-cos per frame; "
@@ -56,56 +49,31 @@ class VideoVaeConfig:
 
 
 @dataclass
-class DiffusionConfig:
-    timesteps: str = doc("logit_normal", "logit_normal | uniform")
-    logit_mean: float = doc(0.0, "logit-normal mean")
-    logit_std: float = doc(1.0, "logit-normal std")
-    shift: float = doc(0.0, "fixed timestep shift (0: resolution and length dependent, "
-                            "base_shift * sqrt(tokens / base_tokens), tokens = T*H*W patches)")
-    base_shift: float = doc(1.0, "shift at base_tokens")
-    base_tokens: int = doc(256, "token count where the shift equals base_shift")
-    cfg_dropout: float = doc(0.1, "probability of replacing a caption by the empty caption (classifier-free guidance)")
-
-
-@dataclass
-class SampleConfig:
-    steps: int = doc(30, "sampler steps (Euler)")
-    cfg: float = doc(3.0, "classifier-free guidance weight (1: no guidance)")
+class T2VSampleConfig(SampleConfig):
     num: int = doc(4, "clips in the training-time sample grid (captions from data.eval_shards)")
-    seed: int = doc(1234, "seed of the sample grid's noise")
     fps: float = doc(8.0, "frame rate of written MP4/GIF files")
     scale: int = doc(4, "nearest-neighbour upscale of written videos (tiny clips are 32 px)")
 
 
 @dataclass
-class T2VConfig:
-    run: RunConfig = doc(factory=RunConfig, help="run directory, seed, resume")
-    data: DataConfig = doc(factory=DataConfig, help="shards and loader")
-    optim: OptimConfig = doc(factory=OptimConfig, help="AdamW and LR schedule")
-    train: TrainConfig = doc(factory=TrainConfig, help="loop length, logging, checkpoints, EMA")
-    parallel: ParallelConfig = doc(factory=ParallelConfig, help="data, tensor and context parallelism")
+class T2VConfig(TextDiffusionSections):
+    sample: T2VSampleConfig = doc(factory=T2VSampleConfig, help="sample videos")
     model: ModelConfig = doc(factory=ModelConfig, help="the VideoDiT")
     video: VideoDataConfig = doc(factory=VideoDataConfig, help="clip decoding")
-    text: TextConfig = doc(factory=TextConfig, help="the frozen open_clip text tower")
     vae: VideoVaeConfig = doc(factory=VideoVaeConfig, help="optional latent space (a frozen video VAE)")
-    diffusion: DiffusionConfig = doc(factory=DiffusionConfig, help="rectified-flow training objective")
-    sample: SampleConfig = doc(factory=SampleConfig, help="sample videos")
 
     def validate(self) -> None:
+        self.check_text_diffusion()
         check_run_config(self, positive={
             "model.image_size": self.model.image_size, "model.frames": self.model.frames,
-            "model.in_channels": self.model.in_channels, "sample.steps": self.sample.steps, "sample.fps": self.sample.fps,
-            "sample.scale": self.sample.scale, "text.context_length": self.text.context_length,
+            "model.in_channels": self.model.in_channels, "sample.fps": self.sample.fps, "sample.scale": self.sample.scale,
         }, choices={
-            "diffusion.timesteps": (self.diffusion.timesteps, ("logit_normal", "uniform")),
             "model.preset": (self.model.preset, ("tiny", "S", "B", "XL")),
             "model.attention": (self.model.attention, ("full", "factorized")),
             "model.abs_pos": (self.model.abs_pos, ("spatial", "3d", "none")),
             "video.source": (self.video.source, ("auto", "mp4", "npy")),
             "vae.kind": (self.vae.kind, ("auto", "wan", "cogvideox", "image")),
         })
-        if not 0.0 <= self.diffusion.cfg_dropout < 1.0:
-            raise ConfigError(f"diffusion.cfg_dropout={self.diffusion.cfg_dropout} must be in [0, 1)")
         if self.vae.scaling_factor < 0:
             raise ConfigError(f"vae.scaling_factor={self.vae.scaling_factor} must be >= 0 (0: the VAE's own)")
         if self.model.image_width < 0:

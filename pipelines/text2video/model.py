@@ -24,13 +24,13 @@ DiT family's parallel plans (common/nn/dit_parallel.py) apply unchanged.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 
 import torch
 
 from common.kernels import attention, rope_frequencies
 from common.nn import VideoPatchEmbed, grid_positions, sincos_2d, sincos_nd, unpatchify3d
-from common.nn.dit import DiTTrunk
+from common.nn.dit import DiTTrunk, DiTTrunkConfig, preset_config, trunk_flops
 
 
 def default_rope_axes(head_dim: int) -> tuple[int, int, int]:
@@ -45,7 +45,7 @@ def default_rope_axes(head_dim: int) -> tuple[int, int, int]:
 
 
 @dataclass
-class VideoDiTConfig:
+class VideoDiTConfig(DiTTrunkConfig):
     frames: int = 8             # clip size: used by num_tokens (parallel checks) and the FLOP estimate
     height: int = 32
     width: int = 32
@@ -54,12 +54,6 @@ class VideoDiTConfig:
     temporal_patch: int = 2     # temporal patch tp
     hidden: int = 128
     depth: int = 4
-    heads: int = 4
-    mlp_ratio: float = 4.0
-    text_dim: int = 128
-    text_len: int = 32          # used by the FLOP estimate only
-    qk_norm: bool = True
-    rope_theta: float = 10000.0
     rope_axes_dim: tuple[int, int, int] | None = None  # (t, h, w) channels per head; None: default_rope_axes
     attention: str = "full"     # "full" | "factorized"
     patch_embed: str = "linear"  # "linear" (one GEMM, plain to shard) | "conv" (Conv3d); same function
@@ -68,7 +62,6 @@ class VideoDiTConfig:
     # image (T=1) gets exactly the text2image DiT's token embedding, so image-DiT weights can
     # initialise a video DiT. "3d": sin-cos over (t, h, w) split like the RoPE axes. "none": RoPE only.
     abs_pos: str = "spatial"
-    pooled_text: bool = True    # mean text token added to the timestep embedding (as the DiT)
 
     @property
     def head_dim(self) -> int:
@@ -117,13 +110,7 @@ _PRESETS = {
 
 
 def video_dit_config(name: str, **overrides) -> VideoDiTConfig:
-    if name not in _PRESETS:
-        raise ValueError(f"unknown VideoDiT preset {name!r}; choose from {sorted(_PRESETS)}")
-    known = {f.name for f in fields(VideoDiTConfig)}
-    bad = set(overrides) - known
-    if bad:
-        raise ValueError(f"unknown VideoDiTConfig fields {sorted(bad)}")
-    return replace(VideoDiTConfig(**_PRESETS[name]), **overrides)
+    return preset_config(VideoDiTConfig, _PRESETS, name, **overrides)
 
 
 def video_dit_flops(cfg: VideoDiTConfig, frames: int | None = None, height: int | None = None,
@@ -136,21 +123,13 @@ def video_dit_flops(cfg: VideoDiTConfig, frames: int | None = None, height: int 
     n = gt * gh * gw
     lt = cfg.text_len if text_len is None else text_len
     d, pd = cfg.hidden, cfg.patch_dim
-    mlp = int(d * cfg.mlp_ratio)
-    dense = (2 * n * d * 3 * d + 2 * n * d * d                          # self-attn qkv, out
-             + 2 * n * d * d + 2 * lt * d * 2 * d + 2 * n * d * d       # cross q, kv, out
-             + 4 * n * lt * d                                           # cross scores + AV
-             + 2 * 2 * n * d * mlp)                                     # MLP
     if cfg.attention == "full":
         attn = cfg.depth * 4 * n * n * d
     else:
         spatial, temporal = (cfg.depth + 1) // 2, cfg.depth // 2
         attn = spatial * 4 * n * (gh * gw) * d + temporal * 4 * n * gt * d
     embed = 2 * n * pd * d + 2 * n * d * pd                             # patch in, final out
-    cond = 2 * (256 * d + d * d + d * 6 * d) + 2 * lt * (cfg.text_dim * d + d * d)
-    if cfg.pooled_text:
-        cond += 2 * (cfg.text_dim * d + d * d)
-    return int(cfg.depth * dense + attn + embed + cond)
+    return int(trunk_flops(cfg, n, lt) + attn + embed)
 
 
 class FactorizedAttention:
@@ -201,9 +180,7 @@ class VideoDiT(DiTTrunk):
         if cfg.abs_pos != "none" and cfg.hidden % 4:
             raise ValueError(f"abs_pos={cfg.abs_pos!r} needs hidden divisible by 4, got {cfg.hidden}")
         patch_embed = VideoPatchEmbed(cfg.in_channels, cfg.hidden, cfg.patch_size, cfg.temporal_patch, cfg.patch_embed)
-        super().__init__(patch_embed, hidden=cfg.hidden, heads=cfg.heads, depth=cfg.depth, mlp_ratio=cfg.mlp_ratio,
-                         qk_norm=cfg.qk_norm, text_dim=cfg.text_dim, pooled_text=cfg.pooled_text,
-                         out_dim=cfg.patch_dim)
+        super().__init__(patch_embed, cfg, out_dim=cfg.patch_dim)
         self.cfg = cfg
         if cfg.attention == "factorized":
             for i, block in enumerate(self.blocks):

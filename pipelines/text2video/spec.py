@@ -1,8 +1,8 @@
 """The text2video pipeline contract (common/pipeline.py): what the shared entrypoints run."""
 from __future__ import annotations
 
+from common.diffusion.text_conditioned import text_diffusion_spec
 from common.nn.dit_parallel import parallelize_dit
-from common.pipeline import PipelineSpec
 from pipelines.text2video import components
 from pipelines.text2video.config import T2VConfig
 from pipelines.text2video.data import ClipDecoder
@@ -25,20 +25,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
-SPEC = PipelineSpec(
+SPEC = text_diffusion_spec(
+    components,
     name="text2video",
     description="Train a text-to-video DiT.",
     config=T2VConfig,
-    build=components.build,
-    step_fns=components.make_step_fns,
     parallelize=parallelize_dit,
     decoder=decoder,
-    signature=lambda comp: components.signature(comp.cfg, comp),
-    generate=components.generate,
     write_grid=components.write_grid,
     write_item=components.write_clip,
     describe=describe,
-    flops=components.flops,
     # Buckets are pixel (frames, h, w); their token count decides the per-bucket batch size.
     bucket_tokens=lambda comp: comp.clip_tokens,
     sample_options=(
