@@ -151,3 +151,14 @@ def test_changed_buckets_are_rejected(data):
         other.load_state_dict(sd)
     with pytest.raises(DataError, match="bucket shapes changed"):
         StreamingLoader(data["a"], decode, 1, num_workers=0, window=2).load_state_dict(sd)
+
+
+def test_synthetic_images_have_a_shape_for_buckets(tmp_path):
+    """data.synth writes `size` as a word ("medium") and the side as `image_size`: images must still
+    land in a bucket, or joint image-video training silently trains on clips alone."""
+    from common.data import ShardIndex, expand_shards
+    from data.synth import generate
+    generate(str(tmp_path), count=4, heldout_count=0, size=32, shard_size=4, seed=0)
+    meta = json.loads(ShardIndex(expand_shards(str(tmp_path / "train"))).read(0, 0)["json"])
+    assert isinstance(meta["size"], str) and sample_shape(meta) == (1, 32, 32)
+    assert Buckets([(1, 32, 32), (8, 32, 32)], 512).assign(sample_shape(meta)) == 0

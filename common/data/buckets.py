@@ -94,12 +94,16 @@ class Buckets:
 
 
 def sample_shape(meta: dict) -> Shape | None:
-    """(frames, height, width) from a sample's json metadata, or None when it has no size."""
+    """(frames, height, width) from a sample's json metadata, or None when it has no size:
+    width/height, a [width, height] `size` (make_shards), or a square `image_size` (data.synth,
+    whose `size` is a word such as "medium")."""
     try:
         if "width" in meta and "height" in meta:
             w, h = int(meta["width"]), int(meta["height"])
-        elif "size" in meta:
+        elif isinstance(meta.get("size"), (list, tuple)):
             w, h = (int(x) for x in meta["size"][:2])
+        elif "image_size" in meta:
+            w = h = int(meta["image_size"])
         else:
             return None
         f = int(meta.get("frames", meta.get("num_frames", 1)))
