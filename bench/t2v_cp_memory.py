@@ -12,8 +12,8 @@ Per CP degree the script spawns `cp` processes with a gloo group (world size = c
 only) that run all (frames, ac) cases in turn, each on a freshly built model (peaks are taken
 relative to the level before each step, so earlier cases do not leak into later ones). Every rank builds the same seeded model and gets the same batch (CP ranks share one data
 rank, as the dp_cp layout of the loader gives them), and the model is parallelised the way
-pipelines/text2video/parallelize.py does it: ParallelDims.from_config + the pipeline's support
-and model checks, build_mesh, apply_context_parallel (tokens and RoPE rows sharded at the
+common.nn.dit_parallel.parallelize_dit does it: ParallelDims.from_config + the layout and model
+checks, build_mesh, apply_context_parallel (tokens and RoPE rows sharded at the
 first block, gathered before the final layer), apply_block_options (activation checkpointing).
 The one step left out by default is the data-parallel wrap: with cp > 1 the pipeline only
 accepts dp_mode fsdp (dp_mode=none is refused because CP ranks must average their gradients),

@@ -60,6 +60,7 @@ class Trainer:
         self.step = 0
         self.skipped_steps = 0
         self.corrupt_total = 0
+        self.samples_seen = 0  # global samples trained on (with buckets, steps differ in size)
 
     # ------------------------------------------------------------------ state
     def _tensor_state(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -70,7 +71,7 @@ class Trainer:
 
     def save(self) -> str:
         meta = {"loader": self.loader.state_dict(), "skipped_steps": self.skipped_steps,
-                "corrupt_total": self.corrupt_total, "config": self.config_yaml}
+                "corrupt_total": self.corrupt_total, "samples_seen": self.samples_seen, "config": self.config_yaml}
         return self.ckpt.save(self.step, self.model, self.optimizer, self._tensor_state(), meta)
 
     def resume(self) -> str | None:
@@ -89,6 +90,7 @@ class Trainer:
         self.loader.load_state_dict(meta["loader"])
         self.skipped_steps = int(meta.get("skipped_steps", 0))
         self.corrupt_total = int(meta.get("corrupt_total", 0))
+        self.samples_seen = int(meta.get("samples_seen", 0))
         return path
 
     # ------------------------------------------------------------------ loop
@@ -181,16 +183,21 @@ class Trainer:
                                             f"at step {self.step + 1}; lower optim.lr or check the data")
                 self.optimizer.zero_grad(set_to_none=True)
                 self.step += 1
-                window_samples += round(float(totals[2]))
-                window_flops += float(totals[3])
+                step_samples, step_flops = round(float(totals[2])), float(totals[3])
+                self.samples_seen += step_samples
+                window_samples += step_samples
+                window_flops += step_flops
                 log.advance()
                 if self.step % tc.log_every == 0 or self.step == tc.steps:
                     elapsed = time.perf_counter() - window_t0
                     sps = window_samples / max(elapsed, 1e-9)
                     scalars = {"loss": step_loss, "lr": lr, "grad_norm": grad_norm, "samples_per_s": sps,
-                               "skipped_steps": self.skipped_steps, "corrupt_samples": self.corrupt_total,
+                               "samples_seen": self.samples_seen, "skipped_steps": self.skipped_steps,
+                               "corrupt_samples": self.corrupt_total,
                                "epoch": getattr(self.loader, "epoch", 0), **memory_stats(self.info.device)}
-                    if peak:  # training ~ 3x the forward FLOPs
+                    if self.flops_fn:  # training ~ 3x the forward FLOPs
+                        scalars["step_flops"] = 3.0 * step_flops
+                    if peak:
                         scalars["mfu"] = 3.0 * window_flops / max(elapsed, 1e-9) / (peak * self.info.world_size)
                     log.log(self.step, scalars)
                     window_t0, window_samples, window_flops = time.perf_counter(), 0, 0.0

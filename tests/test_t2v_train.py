@@ -223,6 +223,35 @@ def test_joint_image_video_training_with_buckets(video_data, tmp_path):
     assert os.path.isfile(os.path.join(run, "samples", "step_00000004.mp4"))
 
 
+@pytest.mark.slow
+def test_bucketed_steps_count_their_own_samples_and_flops(video_data, tmp_path):
+    """samples/s and MFU come from the batches the loader made: with buckets a step holds
+    bucket_target_tokens // tokens(bucket) samples (not data.micro_batch_size), at that bucket's FLOPs."""
+    from common.config import build_config
+    from data.synth import generate
+    from pipelines.text2video import components
+    from pipelines.text2video.config import T2VConfig
+    images = str(tmp_path / "images")
+    generate(images, count=16, heldout_count=0, size=32, shard_size=8, seed=0)
+    overrides = ["train.steps=10", "train.log_every=1", "sample.num=0", "data.micro_batch_size=16",
+                 f"data.sources=[{{path: {video_data}/train, weight: 1.0}}, {{path: {images}/train, weight: 4.0}}]",
+                 "data.buckets=[[1,32,32],[8,32,32]]", "data.bucket_target_tokens=512"]
+    run = str(tmp_path / "run")
+    run_t2v(run, video_data, *overrides)
+    model = components.build(build_config(T2VConfig, TINY_YAML, [*SMALL_MODEL, *overrides])).model
+    per_bucket = {}  # samples per step -> training FLOPs of such a step
+    for shape in ((1, 32, 32), (8, 32, 32)):
+        n = 512 // model.cfg.tokens(*shape)
+        per_bucket[n] = 3 * n * model.flops_per_sample(*shape)
+    assert sorted(per_bucket) == [2, 8]  # 64 tokens an image, 256 a clip
+    metrics = read_metrics(run)
+    seen = [0] + [metrics[s]["samples_seen"] for s in range(1, 11)]
+    steps = [b - a for a, b in zip(seen, seen[1:])]
+    assert set(steps) == {2, 8}, steps  # both buckets drawn, neither at micro_batch_size
+    for s, n in zip(range(1, 11), steps):
+        assert metrics[s]["step_flops"] == pytest.approx(per_bucket[n], rel=1e-12)
+
+
 # --------------------------------------------------------------------------- context parallel
 CP_COMMON = ["train.steps=5", "train.log_every=1", "train.ckpt_every=100", "train.sample_every=0", "sample.num=0",
              "train.ema_decay=0.9"]

@@ -1,6 +1,6 @@
 """Pipeline parallelism on torch.distributed.pipelining: stage placement, schedules, one train step.
 
-A pipeline's parallelize.py cuts its model into stage modules (each a view of the model holding
+A model family's plan (e.g. common/nn/dit_parallel.py) cuts the model into stage modules (each a view of the model holding
 some blocks under the model's own parameter names, so checkpoints stay layout-independent);
 this module places stages on ranks, builds the schedule and runs a step.
 
