@@ -62,14 +62,6 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        t = t.clone()
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        t /= dist.get_world_size()
-    return t
-
-
 def seed_everything(seed: int, rank: int = 0) -> None:
     """Per-rank seeds for anything that draws from global RNGs. Training noise does not: it is
     seeded per sample from global positions so parallel layouts draw identical noise."""

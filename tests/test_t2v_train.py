@@ -109,6 +109,16 @@ def _parallelize_error(*overrides: str, world_size: int) -> str:
     return str(e.value)
 
 
+def test_mp4_writer_pads_odd_frame_sizes(tmp_path):
+    """H.264 in yuv420p needs even sides: an odd-sized clip gets one white row/column, not an error."""
+    from common.data.media import decode_video
+    from pipelines.text2video.components import save_mp4
+    frames = np.zeros((3, 33, 31, 3), dtype=np.uint8)
+    save_mp4(frames, str(tmp_path / "odd.mp4"), fps=8.0)
+    v = decode_video(open(tmp_path / "odd.mp4", "rb").read(), dtype=torch.uint8)
+    assert v.shape == (3, 3, 34, 32) and int(v[:, :, :33, :31].max()) < 16 and int(v[:, :, 33].min()) > 239
+
+
 def test_unsupported_layouts_fail_at_start():
     assert "factorized" in _parallelize_error("parallel.cp=2", "model.attention=factorized", world_size=2)
     assert "not supported for text2video" in _parallelize_error("parallel.pp=2", world_size=2)

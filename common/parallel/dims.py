@@ -165,7 +165,3 @@ def _resolve_dp_mode(mode: str, dp_replicate: int, dp_shard: int, cp: int, tp: i
         raise ConfigError(f"parallel.dp_mode=fsdp with dp_replicate={dp_replicate} and dp_shard=1 shards nothing; "
                           "use dp_mode=ddp, or dp_shard > 1 for HSDP")
     return mode
-
-
-def local_rank_in(mesh, dim: str) -> int:
-    return 0 if mesh is None else mesh[dim].get_local_rank()

@@ -187,7 +187,7 @@ def _even(frames: np.ndarray) -> np.ndarray:
 
 def save_mp4(frames, path: str, fps: float, scale: int = 1) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    data, _codec = encode_mp4(list(_upscale(np.asarray(frames), scale)), fps, crf=18)
+    data, _codec = encode_mp4(list(_even(_upscale(np.asarray(frames), scale))), fps, crf=18)
     with open(path, "wb") as f:
         f.write(data)
 
