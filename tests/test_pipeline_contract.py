@@ -99,7 +99,8 @@ def toy(command: str, *args: str, check: bool = True) -> subprocess.CompletedPro
 def toy_train(run: str, data: str, *extra: str, check: bool = True):
     return toy("train", f"run.dir={run}", f"data.train_shards={data}/train", f"data.eval_shards={data}/heldout",
                "data.micro_batch_size=8", "data.num_workers=0", "train.steps=6", "train.log_every=1",
-               "train.ckpt_every=2", "train.progress=false", "train.ema_decay=0.9", "optim.lr=1e-2", *extra,
+               "train.ckpt_every=2", "train.progress=false", "train.ema_decay=0.9", "optim.lr=1e-2", "sample.num=4",
+               "sample.steps=4", *extra,
                check=check)
 
 

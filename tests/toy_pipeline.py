@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from common.config import DataConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig, check_run_config, doc
+from common.config import RunSections, SampleConfig, check_run_config, doc
 from common.data.captions import caption_of
 from common.diffusion.flow import RectifiedFlow, mse_per_sample
 from common.diffusion.noise import sample_seeds
@@ -18,20 +18,7 @@ from common.pipeline import PipelineSpec
 
 
 @dataclass
-class SampleConfig:
-    steps: int = doc(4, "Euler steps")
-    cfg: float = doc(1.0, "guidance (unused: no unconditional branch)")
-    num: int = doc(4, "samples at checkpoints")
-    seed: int = doc(0, "seed of the first sample")
-
-
-@dataclass
-class ToyConfig:
-    run: RunConfig = doc(factory=RunConfig)
-    data: DataConfig = doc(factory=DataConfig)
-    optim: OptimConfig = doc(factory=OptimConfig)
-    train: TrainConfig = doc(factory=TrainConfig)
-    parallel: ParallelConfig = doc(factory=ParallelConfig)
+class ToyConfig(RunSections):
     sample: SampleConfig = doc(factory=SampleConfig)
     dim: int = doc(8, "vector size")
 
