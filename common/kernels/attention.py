@@ -140,10 +140,14 @@ def _varlen(impl, q, k, v, causal, return_lse, scale, cu_q, cu_k, max_q, max_k):
         return (out, lse.float()) if return_lse else out
     # torch / reference: one dense call per sequence (SDPA has no varlen form that returns lse).
     bq, bk = cu_q.tolist(), cu_k.tolist()
+    # split, not one slice per sequence: split's backward is one concatenation, while every
+    # slice's backward adds into a zero tensor the size of the whole batch (samples x tokens).
+    sq, sk = [b - a for a, b in zip(bq, bq[1:])], [b - a for a, b in zip(bk, bk[1:])]
+    qs = q[bq[0]:bq[-1]].split(sq)
+    ks, vs = k[bk[0]:bk[-1]].split(sk), v[bk[0]:bk[-1]].split(sk)
     outs, lses = [], []
     for i in range(len(bq) - 1):
-        qi, ki, vi = (x[c[i]:c[i + 1]].transpose(0, 1).unsqueeze(0)
-                      for x, c in ((q, bq), (k, bk), (v, bk)))  # (1, H, L, D)
+        qi, ki, vi = (x[i].transpose(0, 1).unsqueeze(0) for x in (qs, ks, vs))  # (1, H, L, D)
         if ki.shape[2] == 0:  # no keys at all: an empty row by definition
             oi = qi.new_zeros(qi.shape)
             li = torch.full(qi.shape[:3], -math.inf, device=q.device)
