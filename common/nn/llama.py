@@ -7,6 +7,11 @@ Architecture only. Every projection is its own nn.Linear and head counts are inf
 tensor widths at run time, so a tensor-parallel shard of whole heads (common.parallel.
 tensor_parallel) runs this code unchanged; `attn_impl` is the context-parallel hook, as in
 common.nn.attention.SelfAttention.
+
+Packed rows (common.data.packing): tokens (R, L) hold several samples each; `cu_seqlens` (S + 1,)
+int32 gives every sample's (and every row's padding tail's) offsets in the flattened R * L tokens,
+and `positions` (R, L) restart at 0 per sample. Attention then runs in the kernels' varlen layout,
+so no token attends across a sample boundary.
 """
 from __future__ import annotations
 
@@ -87,13 +92,26 @@ class LlamaAttention(nn.Module):
         self.attn_impl = None  # context parallelism plugs in a kernels.attention-compatible callable
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x (B, L, D); rope = (cos, sin) (L, head_dim); attn_mask optional, combined with causal
-        (e.g. block-diagonal for packed documents)."""
+                attn_mask: torch.Tensor | None = None, *, cu_seqlens: torch.Tensor | None = None,
+                max_seqlen: int | None = None) -> torch.Tensor:
+        """x (B, L, D); rope = (cos, sin) (L, head_dim), or (B, 1, L, head_dim) for per-row
+        positions; attn_mask optional, combined with causal. cu_seqlens (S + 1,) int32 over the
+        flattened B * L tokens: causal attention within each sequence only (packed rows);
+        max_seqlen, the longest sequence, spares GPU kernels a device sync."""
         hd = self.head_dim
         q, k, v = _heads(self.to_q(x), hd), _heads(self.to_k(x), hd), _heads(self.to_v(x), hd)
         q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if cu_seqlens is not None:
+            if self.attn_impl is not None:
+                raise ValueError("packed rows (cu_seqlens) are not supported with context parallelism (attn_impl)")
+            if attn_mask is not None:
+                raise ValueError("pass either attn_mask or cu_seqlens (packed sequences are the mask), not both")
+            b, l = x.shape[:2]
+            flat = [t.transpose(1, 2).reshape(b * l, t.shape[1], hd) for t in (q, k, v)]  # (B*L, H, hd)
+            out = attention(*flat, causal=True, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                            max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
+            return self.proj(out.reshape(b, l, -1))
         attend = self.attn_impl or attention
         # k/v keep Hkv heads: kernels.attention expands them to the query heads (GQA).
         return self.proj(_merge(attend(q, k, v, causal=True, attn_mask=attn_mask)))
@@ -118,7 +136,8 @@ class LlamaBlock(nn.Module):
 
         from common.parallel.tensor_parallel import region_input, rowwise_out
         sp = sequence_parallel
-        # forward calls attention(x, rope, attn_mask) and mlp(x).
+        # forward calls attention(x, rope, attn_mask) and mlp(x); cu_seqlens/max_seqlen go by
+        # keyword, which PrepareModuleInput passes through untouched.
         return {"attention": region_input(sp, 3),
                 "attention.to_q": ColwiseParallel(), "attention.to_k": ColwiseParallel(),
                 "attention.to_v": ColwiseParallel(), "attention.proj": rowwise_out(sp),
@@ -141,8 +160,10 @@ class LlamaBlock(nn.Module):
             raise ValueError(f"{where}: SwiGLU hidden size {h} is not divisible by tensor-parallel degree {tp}")
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rope, attn_mask)
+                attn_mask: torch.Tensor | None = None, *, cu_seqlens: torch.Tensor | None = None,
+                max_seqlen: int | None = None) -> torch.Tensor:
+        # Three positional arguments: the tensor-parallel plan's PrepareModuleInput counts them.
+        x = x + self.attention(self.attention_norm(x), rope, attn_mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
         return x + self.mlp(self.ffn_norm(x))
 
 
@@ -199,28 +220,53 @@ class Llama(nn.Module):
 
     def rope(self, seq_len: int | None = None, positions: torch.Tensor | None = None,
              device=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) tables for positions (L,) (default 0..seq_len-1), each (L, head_dim)."""
+        """(cos, sin) tables for positions (L,) (default 0..seq_len-1), each (L, head_dim); for
+        per-row positions (B, L) (packed rows), each (B, 1, L, head_dim), broadcasting over heads."""
         if positions is None:
             positions = torch.arange(seq_len, device=device)
+        if positions.dim() == 2:
+            cos, sin = rope_frequencies(positions.reshape(-1), (self.cfg.head_dim,), self.cfg.rope_theta)
+            shape = (*positions.shape[:1], 1, positions.shape[1], -1)
+            return cos.view(shape), sin.view(shape)
         return rope_frequencies(positions, (self.cfg.head_dim,), self.cfg.rope_theta)
 
     def hidden_states(self, tokens: torch.Tensor | None = None, *, inputs_embeds: torch.Tensor | None = None,
-                      positions: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+                      positions: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
+                      cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None) -> torch.Tensor:
         """Final-normed features (B, L, dim) before the output head. Pass `tokens` (B, L) or
-        `inputs_embeds` (B, L, dim) (e.g. image features spliced between text embeddings)."""
+        `inputs_embeds` (B, L, dim) (e.g. image features spliced between text embeddings).
+        positions: (L,) shared by the rows or (B, L) per row. Packed rows: cu_seqlens (S + 1,)
+        int32 covering all B * L tokens, with positions (B, L) restarting per sequence and
+        max_seqlen the longest sequence (computed from cu_seqlens, one device sync, when None)."""
         if (tokens is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of tokens or inputs_embeds")
         h = self.tok_embeddings(tokens) if inputs_embeds is None else inputs_embeds
-        seq_len = h.shape[1]
+        b, seq_len = h.shape[:2]
+        if positions is not None and positions.dim() == 2 and tuple(positions.shape) != (b, seq_len):
+            raise ValueError(f"positions {tuple(positions.shape)} do not match the batch ({b}, {seq_len})")
+        if cu_seqlens is not None:
+            if positions is None or positions.dim() != 2:
+                # Positions running on across a row's samples would silently shift every sample
+                # after the first; pass them explicitly (common.data.packing builds them).
+                raise ValueError("packed rows (cu_seqlens) need per-row positions (B, L) restarting per sequence")
+            if max_seqlen is None:
+                cu = cu_seqlens.tolist()
+                if not cu or cu[0] != 0 or cu[-1] != b * seq_len or any(x > y for x, y in zip(cu, cu[1:])):
+                    raise ValueError(f"cu_seqlens must rise from 0 to the {b} x {seq_len} = {b * seq_len} "
+                                     f"tokens of the batch; got {len(cu)} offsets ending at {cu[-1] if cu else None}")
+                max_seqlen = max((y - x for x, y in zip(cu, cu[1:])), default=0)
+            # Positions restart per sequence: the limit is on the longest sequence, not the row.
+            seq_len = max_seqlen
         if seq_len > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {self.cfg.max_seq_len}")
-        rope = self.rope(seq_len, positions, h.device)
+        rope = self.rope(h.shape[1], positions, h.device)
         for block in self.blocks:
-            h = block(h, rope, attn_mask)
+            h = block(h, rope, attn_mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
         return self.norm(h)
 
     def forward(self, tokens: torch.Tensor | None = None, *, inputs_embeds: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None) -> torch.Tensor:
         """-> logits (B, L, vocab_size)."""
         return self.output(self.hidden_states(tokens, inputs_embeds=inputs_embeds, positions=positions,
-                                              attn_mask=attn_mask))
+                                              attn_mask=attn_mask, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen))
