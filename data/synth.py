@@ -11,24 +11,25 @@ Output is a pure function of the arguments: every sample draws from its own gene
 (seed, split, index), PNGs are encoded with fixed settings and tar members get mtime 0, so the same
 arguments give byte-identical shards on any run.
 
-Video mode (`--video`): see `data/synth_video.py`.
+Video mode (`--video`): see `data/synth_video.py`. VQA mode (`--vqa`, images of 1-3 shapes with
+question/answer conversations for VLMs): see `data/synth_vqa.py`.
 """
 
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import sys
 import time
 
 import numpy as np
-from PIL import Image
 
 from data import shapes as S
-from data.synth_common import MANIFEST, RADIUS_JITTER, SPLIT_CODE, SPLITS, article, load_manifest, write_split
+from data.synth_common import (MANIFEST, RADIUS_JITTER, SPLIT_CODE, SPLITS, article, encode_png,
+                               load_manifest, write_manifest, write_split)  # fmt: skip
 from data.synth_video import MOTIONS, VIDEO_FORMATS, generate_video
+from data.synth_vqa import generate_vqa
 
 FORMAT_VERSION = 1
 _POS_JITTER = 0.06  # fraction of the image side around the named grid point
@@ -113,13 +114,6 @@ def render_sample(attrs: dict) -> np.ndarray:
     )  # fmt: skip
 
 
-def encode_png(img: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    # Fixed compress level and no optimize pass: the bytes depend on the pixels only.
-    Image.fromarray(img).save(buf, format="PNG", compress_level=6, optimize=False)
-    return buf.getvalue()
-
-
 def make_sample(split: str, index: int, seed: int, size_px: int) -> dict:
     """One WebDataset sample dict (all values bytes/str), ready for a ShardWriter."""
     attrs = sample_attrs(split, index, seed, size_px)
@@ -177,12 +171,7 @@ def generate(
             "templates": TEMPLATES,
         },
     }
-    # Written last and without timestamps: it is the completion marker and part of the
-    # reproducible output.
-    tmp = manifest_path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
-    os.replace(tmp, manifest_path)
+    write_manifest(out, manifest)
     return {"out": out, **manifest, "seconds": round(time.perf_counter() - t0, 3)}
 
 
@@ -209,16 +198,24 @@ def _parser() -> argparse.ArgumentParser:
         description="Generate the synthetic shapes dataset (shape x colour x size x position x "
         "background) as WebDataset shards, with a held-out split of (shape, colour) pairs never "
         "seen in training. Same arguments -> byte-identical output. With --video: clips of one "
-        "shape moving (left_to_right, right_to_left, up, down), growing, shrinking or static.",
+        "shape moving (left_to_right, right_to_left, up, down), growing, shrinking or static. With "
+        "--vqa: visual question answering for VLMs, 1-3 shapes per image on a 3x3 grid with 2-4 "
+        "questions about colour, shape, count and position in the layout of `make_shards "
+        "conversations` (json turns, first user turn starting with <image>, plus a qa list and a "
+        "txt caption); the held-out split holds the (colour, shape, count) compositions listed in "
+        "data/synth_vqa.py, never seen in training.",
     )
     p.add_argument("--out", required=True, help="output folder; gets train/, heldout/, manifest.json")
     p.add_argument("--count", type=int, default=None,
-                   help="training samples (default 20000 images / 5000 clips)")
+                   help="training samples (default 20000 images / 5000 clips / 20000 VQA images)")
     p.add_argument("--heldout-count", type=int, default=None,
-                   help="held-out samples, all from held-out (shape, colour) pairs (default 512 / 256)")
-    p.add_argument("--size", type=int, default=32, help="image side in pixels, >= 8 (default 32)")
+                   help="held-out samples, all from held-out (shape, colour) pairs, or (colour, shape, count) "
+                   "compositions with --vqa (default 512 / 256 / 512)")
+    p.add_argument("--size", type=int, default=None,
+                   help="image side in pixels, >= 8 (default 32; with --vqa >= 24, default 48 so each "
+                   "grid cell holds a legible shape)")
     p.add_argument("--shard-size", type=int, default=None,
-                   help="samples per tar shard (default 1000 images / 500 clips)")
+                   help="samples per tar shard (default 1000 images / 500 clips / 1000 VQA images)")
     p.add_argument("--seed", type=int, default=0, help="random seed; fixes every byte of the output (default 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     v = p.add_argument_group("video mode")
@@ -233,6 +230,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="mp4 (H.264, as real video shards; default), npy (lossless uint8 T,H,W,3) or both")
     v.add_argument("--raw-frames", action="store_true", help="same as --format npy")
     v.add_argument("--crf", type=int, default=23, help="libx264 CRF of the mp4 clips (default 23)")
+    q = p.add_argument_group("VQA mode")
+    q.add_argument("--vqa", action="store_true",
+                   help="generate images of 1-3 shapes with question/answer conversations and captions "
+                   "(data/synth_vqa.py)")
     return p
 
 
@@ -242,19 +243,28 @@ def _ints(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
+    size = 32 if a.size is None else a.size
     try:
-        if a.video:
+        if a.video and a.vqa:
+            raise ValueError("--video and --vqa are separate datasets: give one of them")
+        if a.vqa:
+            summary = generate_vqa(a.out, 20000 if a.count is None else a.count,
+                                   512 if a.heldout_count is None else a.heldout_count,
+                                   48 if a.size is None else a.size,
+                                   1000 if a.shard_size is None else a.shard_size, a.seed,
+                                   progress=not a.no_progress)  # fmt: skip
+        elif a.video:
             summary = generate_video(
                 a.out, 5000 if a.count is None else a.count,
                 256 if a.heldout_count is None else a.heldout_count,
-                _ints(a.sizes) if a.sizes else [a.size], _ints(a.frames),
+                _ints(a.sizes) if a.sizes else [size], _ints(a.frames),
                 500 if a.shard_size is None else a.shard_size, a.seed, a.fps,
                 [m.strip() for m in a.motions.split(",") if m.strip()],
                 "npy" if a.raw_frames else a.fmt, a.crf, progress=not a.no_progress,
             )  # fmt: skip
         else:
             summary = generate(a.out, 20000 if a.count is None else a.count,
-                               512 if a.heldout_count is None else a.heldout_count, a.size,
+                               512 if a.heldout_count is None else a.heldout_count, size,
                                1000 if a.shard_size is None else a.shard_size, a.seed,
                                progress=not a.no_progress)  # fmt: skip
     except (ValueError, OSError) as e:

@@ -1,19 +1,23 @@
-"""What the image (`data/synth.py`) and video (`data/synth_video.py`) modes of the synthetic shapes
-dataset share: splits and their seed codes, the size jitter, caption grammar, the reproducible
-shard writer and the manifest that marks a complete dataset.
+"""What the image (`data/synth.py`), video (`data/synth_video.py`) and VQA (`data/synth_vqa.py`)
+modes of the synthetic shapes dataset share: splits and their seed codes, the size jitter, caption
+grammar, the reproducible PNG encoder and shard writer, and the manifest that marks a complete
+dataset.
 
-A module of its own so that neither mode imports the other (only the `data.synth` CLI dispatches
-to video mode).
+A module of its own so that no mode imports another (only the `data.synth` CLI dispatches to the
+video and VQA modes).
 """
 
 from __future__ import annotations
 
 import glob
+import io
 import json
 import os
 from collections.abc import Callable
 
+import numpy as np
 import webdataset as wds
+from PIL import Image
 from tqdm import tqdm
 
 SPLITS = ("train", "heldout")
@@ -24,6 +28,13 @@ RADIUS_JITTER = 0.08  # relative; small enough that size names never overlap
 
 def article(word: str) -> str:
     return ("an " if word[0] in "aeiou" else "a ") + word
+
+
+def encode_png(img: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    # Fixed compress level and no optimize pass: the bytes depend on the pixels only.
+    Image.fromarray(img).save(buf, format="PNG", compress_level=6, optimize=False)
+    return buf.getvalue()
 
 
 def write_split(out: str, split: str, count: int, shard_size: int, make: Callable[[str, int], dict],
@@ -56,3 +67,13 @@ def load_manifest(out: str) -> dict | None:
             return json.load(f)
     except (OSError, ValueError):
         return None
+
+
+def write_manifest(out: str, manifest: dict) -> None:
+    """Write out/manifest.json atomically. Call it last: its presence marks a complete dataset, and
+    it carries no timestamps, so it is part of the reproducible output."""
+    path = os.path.join(out, MANIFEST)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
