@@ -180,12 +180,12 @@ class TextDiffusionSections(RunSections):
     diffusion: DiffusionConfig = doc(factory=DiffusionConfig, help="training objective")
     sample: SampleConfig = doc(factory=SampleConfig, help="samples during training")
 
-    def check_text_diffusion(self) -> None:
-        for key, value in (("sample.steps", self.sample.steps), ("text.context_length", self.text.context_length)):
-            if value <= 0:
-                raise ConfigError(f"{key}={value} must be > 0")
-        if self.diffusion.timesteps not in ("logit_normal", "uniform"):
-            raise ConfigError(f"diffusion.timesteps={self.diffusion.timesteps!r} is not one of logit_normal, uniform")
+    def check(self, positive: dict, choices: dict) -> None:
+        """check_run_config with the text, diffusion and sample checks such pipelines share added."""
+        check_run_config(self, positive={"sample.steps": self.sample.steps,
+                                         "text.context_length": self.text.context_length, **positive},
+                         choices={"diffusion.timesteps": (self.diffusion.timesteps, ("logit_normal", "uniform")),
+                                  **choices})
         if not 0.0 <= self.diffusion.cfg_dropout < 1.0:
             raise ConfigError(f"diffusion.cfg_dropout={self.diffusion.cfg_dropout} must be in [0, 1)")
 

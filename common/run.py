@@ -40,9 +40,9 @@ def train(spec: PipelineSpec, argv=None) -> int:
     n_params = sum(p.numel() for p in comp.model.parameters())  # before sharding: the whole model
     pm = spec.parallelize(comp.model, cfg.parallel, info, microbatches=cfg.train.grad_accum, criterion=criterion,
                           name=spec.name)
-    tokens = spec.bucket_tokens(comp) if spec.bucket_tokens else None
     loader = StreamingLoader.from_config(cfg.data, spec.decoder(comp), dp_rank=pm.dp_rank, dp_size=pm.dp_size,
-                                         seed=cfg.run.seed, **({"tokens": tokens} if tokens else {}))
+                                         seed=cfg.run.seed,
+                                         tokens=spec.bucket_tokens(comp) if spec.bucket_tokens else None)
     # Sample grids show the first held-out captions (e.g. compositions never seen in training).
     prompts = [c for c, _ in first_examples(cfg.data.eval_shards, cfg.sample.num)] \
         if cfg.data.eval_shards and cfg.sample.num else []

@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import time
 
 import numpy as np
 
 from data import shapes as S
-from data.synth_common import (MANIFEST, RADIUS_JITTER, SPLIT_CODE, SPLITS, article, encode_png,
-                               load_manifest, write_manifest, write_split)  # fmt: skip
+from data.synth_common import load_manifest  # noqa: F401  (re-exported: synth.load_manifest reads any mode's)
+from data.synth_common import RADIUS_JITTER, SPLIT_CODE, article, check_at_least, encode_png, reuse_or_generate, write_dataset
 from data.synth_video import MOTIONS, VIDEO_FORMATS, generate_video
 from data.synth_vqa import generate_vqa
 
@@ -139,28 +137,16 @@ def generate(
     Summary keys: out, args, counts {split: n}, shards {split: [relative paths]}, heldout_combos,
     vocabulary, seconds.
     """
-    for name, v, lo in (("count", count, 0), ("heldout_count", heldout_count, 0),
-                        ("size", size, 8), ("shard_size", shard_size, 1)):  # fmt: skip
-        if int(v) != v or v < lo:
-            raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
-    out = os.fspath(out)
-    os.makedirs(out, exist_ok=True)
-    manifest_path = os.path.join(out, MANIFEST)
-    if os.path.exists(manifest_path):
-        os.remove(manifest_path)  # absent until the new dataset is complete
-    t0 = time.perf_counter()
-    counts = {"train": int(count), "heldout": int(heldout_count)}
+    check_at_least(("count", count, 0), ("heldout_count", heldout_count, 0), ("size", size, 8),
+                   ("shard_size", shard_size, 1))
 
     def make(split, i):
         return make_sample(split, i, seed, size)
 
-    shards = {sp: write_split(out, sp, counts[sp], shard_size, make, progress) for sp in SPLITS}
     manifest = {
         "format_version": FORMAT_VERSION,
         "args": {"count": count, "heldout_count": heldout_count, "size": size,
                  "shard_size": shard_size, "seed": seed},  # fmt: skip
-        "counts": counts,
-        "shards": shards,
         "heldout_combos": [list(c) for c in S.HELDOUT_COMBOS],
         "vocabulary": {
             "shapes": S.SHAPES,
@@ -171,8 +157,7 @@ def generate(
             "templates": TEMPLATES,
         },
     }
-    write_manifest(out, manifest)
-    return {"out": out, **manifest, "seconds": round(time.perf_counter() - t0, 3)}
+    return write_dataset(out, count, heldout_count, shard_size, make, manifest, progress)
 
 
 def ensure(out: str, **kwargs) -> dict:
@@ -180,16 +165,8 @@ def ensure(out: str, **kwargs) -> dict:
 
     What a trainer's demo config calls: the first run pays the generation, later ones reuse it.
     """
-    args = {"count": 20000, "heldout_count": 512, "size": 32, "shard_size": 1000, "seed": 0}
-    progress = kwargs.pop("progress", False)
-    unknown = set(kwargs) - set(args)
-    if unknown:
-        raise TypeError(f"unknown arguments {sorted(unknown)}; known: {sorted(args)}")
-    args.update(kwargs)
-    found = load_manifest(out)
-    if found is not None and found.get("args") == args and found.get("format_version") == FORMAT_VERSION:
-        return {"out": os.fspath(out), **found, "seconds": 0.0}
-    return generate(out, progress=progress, **args)
+    defaults = {"count": 20000, "heldout_count": 512, "size": 32, "shard_size": 1000, "seed": 0}
+    return reuse_or_generate(out, defaults, kwargs, generate, format_version=FORMAT_VERSION)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -13,6 +13,7 @@ import glob
 import io
 import json
 import os
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -77,3 +78,46 @@ def write_manifest(out: str, manifest: dict) -> None:
     with open(tmp, "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
     os.replace(tmp, path)
+
+
+def check_at_least(*checks: tuple[str, object, int]) -> None:
+    """ValueError for the first (name, value, lowest) whose value is not an integer >= lowest."""
+    for name, v, lo in checks:
+        if int(v) != v or v < lo:
+            raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+
+
+def write_dataset(out: str, count: int, heldout_count: int, shard_size: int, make: Callable[[str, int], dict],
+                  manifest: dict, progress: bool = False) -> dict:
+    """The generation every mode shares: both splits through write_split, then the manifest (with
+    the split counts and shard paths added) as the completion marker. Returns the summary
+    {"out", **manifest, "seconds"}."""
+    out = os.fspath(out)
+    os.makedirs(out, exist_ok=True)
+    manifest_path = os.path.join(out, MANIFEST)
+    if os.path.exists(manifest_path):
+        os.remove(manifest_path)  # absent until the new dataset is complete
+    t0 = time.perf_counter()
+    counts = {"train": int(count), "heldout": int(heldout_count)}
+    shards = {sp: write_split(out, sp, counts[sp], shard_size, make, progress) for sp in SPLITS}
+    manifest = {**manifest, "counts": counts, "shards": shards}
+    write_manifest(out, manifest)
+    return {"out": out, **manifest, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def reuse_or_generate(out: str, defaults: dict, kwargs: dict, generate: Callable[..., dict], *,
+                      format_version: int, mode: str | None = None,
+                      normalise: Callable[[dict], dict] = lambda args: args) -> dict:
+    """Generate into `out` unless a complete dataset of this mode, format and arguments (defaults
+    updated by kwargs, then normalised as the manifest records them) is already there."""
+    kwargs = dict(kwargs)
+    progress = kwargs.pop("progress", False)
+    unknown = set(kwargs) - set(defaults)
+    if unknown:
+        raise TypeError(f"unknown arguments {sorted(unknown)}; known: {sorted(defaults)}")
+    args = normalise({**defaults, **kwargs})
+    found = load_manifest(out)
+    if (found is not None and found.get("mode") == mode and found.get("args") == args
+            and found.get("format_version") == format_version):  # fmt: skip
+        return {"out": os.fspath(out), **found, "seconds": 0.0}
+    return generate(out, progress=progress, **args)

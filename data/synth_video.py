@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import time
 
 import numpy as np
 
 from data import shapes as S
-from data.synth_common import MANIFEST, RADIUS_JITTER, SPLIT_CODE, SPLITS, article, load_manifest, write_split
+from data.synth_common import RADIUS_JITTER, SPLIT_CODE, article, check_at_least, reuse_or_generate, write_dataset
 
 VIDEO_FORMAT_VERSION = 1
 # Motion name -> caption phrases (the sample's rng picks one, so text encoders see synonyms).
@@ -190,10 +188,7 @@ def generate_video(
     """
     sizes = _int_list(size, "size", 16)
     frame_counts = _int_list(frames, "frames", 2)
-    for name, v, lo in (("count", count, 0), ("heldout_count", heldout_count, 0),
-                        ("shard_size", shard_size, 1)):  # fmt: skip
-        if int(v) != v or v < lo:
-            raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+    check_at_least(("count", count, 0), ("heldout_count", heldout_count, 0), ("shard_size", shard_size, 1))
     if fmt not in VIDEO_FORMATS:
         raise ValueError(f"fmt must be one of {VIDEO_FORMATS}, got {fmt!r}")
     if fmt != "npy" and any(s % 2 for s in sizes):
@@ -203,18 +198,10 @@ def generate_video(
         raise ValueError(f"motions must be from {list(MOTIONS)}, got {motions!r}")
     if not fps > 0:
         raise ValueError(f"fps must be > 0, got {fps!r}")
-    out = os.fspath(out)
-    os.makedirs(out, exist_ok=True)
-    manifest_path = os.path.join(out, MANIFEST)
-    if os.path.exists(manifest_path):
-        os.remove(manifest_path)
-    t0 = time.perf_counter()
-    counts = {"train": int(count), "heldout": int(heldout_count)}
 
     def make(split, i):
         return make_video_sample(split, i, seed, sizes, frame_counts, fps, motions, fmt, crf)
 
-    shards = {sp: write_split(out, sp, counts[sp], shard_size, make, progress) for sp in SPLITS}
     codec = None
     if fmt != "npy":
         from common.data.media import mp4_codec  # lazy, as in make_video_sample
@@ -227,8 +214,6 @@ def generate_video(
                  "shard_size": shard_size, "seed": seed, "fps": float(fps), "motions": motions,
                  "fmt": fmt, "crf": crf},  # fmt: skip
         "codec": codec,
-        "counts": counts,
-        "shards": shards,
         "heldout_combos": [list(c) for c in S.HELDOUT_COMBOS],
         "vocabulary": {
             "shapes": S.SHAPES,
@@ -239,26 +224,17 @@ def generate_video(
             "templates": VIDEO_TEMPLATES,
         },
     }
-    tmp = manifest_path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
-    os.replace(tmp, manifest_path)
-    return {"out": out, **manifest, "seconds": round(time.perf_counter() - t0, 3)}
+    return write_dataset(out, count, heldout_count, shard_size, make, manifest, progress)
 
 
 def ensure_video(out: str, **kwargs) -> dict:
     """`ensure` for video mode: generate unless a complete video dataset with these args is there."""
-    args = {"count": 5000, "heldout_count": 256, "size": [32], "frames": [8], "shard_size": 500,
-            "seed": 0, "fps": 8.0, "motions": list(MOTIONS), "fmt": "mp4", "crf": 23}  # fmt: skip
-    progress = kwargs.pop("progress", False)
-    unknown = set(kwargs) - set(args)
-    if unknown:
-        raise TypeError(f"unknown arguments {sorted(unknown)}; known: {sorted(args)}")
-    args.update(kwargs)
-    args["size"], args["frames"] = _int_list(args["size"], "size", 16), _int_list(args["frames"], "frames", 2)
-    args["motions"], args["fps"] = list(args["motions"]), float(args["fps"])
-    found = load_manifest(out)
-    if (found is not None and found.get("mode") == "video" and found.get("args") == args
-            and found.get("format_version") == VIDEO_FORMAT_VERSION):  # fmt: skip
-        return {"out": os.fspath(out), **found, "seconds": 0.0}
-    return generate_video(out, progress=progress, **args)
+    defaults = {"count": 5000, "heldout_count": 256, "size": [32], "frames": [8], "shard_size": 500,
+                "seed": 0, "fps": 8.0, "motions": list(MOTIONS), "fmt": "mp4", "crf": 23}  # fmt: skip
+
+    def as_recorded(args: dict) -> dict:  # the manifest stores lists and a float fps
+        return {**args, "size": _int_list(args["size"], "size", 16), "frames": _int_list(args["frames"], "frames", 2),
+                "motions": list(args["motions"]), "fps": float(args["fps"])}
+
+    return reuse_or_generate(out, defaults, kwargs, generate_video, format_version=VIDEO_FORMAT_VERSION, mode="video",
+                             normalise=as_recorded)

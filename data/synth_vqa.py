@@ -53,15 +53,12 @@ PNG settings, tar mtime 0).
 from __future__ import annotations
 
 import json
-import os
 import re
-import time
 
 import numpy as np
 
 from data import shapes as S
-from data.synth_common import (MANIFEST, SPLIT_CODE, SPLITS, article, encode_png, load_manifest, write_manifest,
-                               write_split)  # fmt: skip
+from data.synth_common import SPLIT_CODE, article, check_at_least, encode_png, reuse_or_generate, write_dataset
 
 VQA_FORMAT_VERSION = 1
 _VQA_SPLIT_TAG = 2  # image mode seeds with [seed, split, index], video appends 1: keep VQA apart
@@ -281,29 +278,17 @@ def generate_vqa(
     progress: bool = False,
 ) -> dict:
     """Write the VQA dataset to `out`; return the summary (also written to out/manifest.json)."""
-    for name, v, lo in (("count", count, 0), ("heldout_count", heldout_count, 0),
-                        ("size", size, MIN_SIZE), ("shard_size", shard_size, 1)):  # fmt: skip
-        if int(v) != v or v < lo:
-            raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
-    out = os.fspath(out)
-    os.makedirs(out, exist_ok=True)
-    manifest_path = os.path.join(out, MANIFEST)
-    if os.path.exists(manifest_path):
-        os.remove(manifest_path)  # absent until the new dataset is complete
-    t0 = time.perf_counter()
-    counts = {"train": int(count), "heldout": int(heldout_count)}
+    check_at_least(("count", count, 0), ("heldout_count", heldout_count, 0), ("size", size, MIN_SIZE),
+                   ("shard_size", shard_size, 1))
 
     def make(split, i):
         return make_vqa_sample(split, i, seed, size)
 
-    shards = {sp: write_split(out, sp, counts[sp], shard_size, make, progress) for sp in SPLITS}
     manifest = {
         "format_version": VQA_FORMAT_VERSION,
         "mode": "vqa",
         "args": {"count": count, "heldout_count": heldout_count, "size": size,
                  "shard_size": shard_size, "seed": seed},  # fmt: skip
-        "counts": counts,
-        "shards": shards,
         "heldout_combos": [list(c) for c in S.HELDOUT_COMBOS],
         "heldout_counts": [list(c) for c in HELDOUT_COUNTS],
         "heldout_compositions": [list(c) for c in HELDOUT_COMPOSITIONS],
@@ -319,20 +304,10 @@ def generate_vqa(
             "captions": CAPTIONS,
         },
     }
-    write_manifest(out, manifest)
-    return {"out": out, **manifest, "seconds": round(time.perf_counter() - t0, 3)}
+    return write_dataset(out, count, heldout_count, shard_size, make, manifest, progress)
 
 
 def ensure_vqa(out: str, **kwargs) -> dict:
     """`ensure` for VQA mode: generate unless a complete VQA dataset with these args is there."""
-    args = {"count": 20000, "heldout_count": 512, "size": 48, "shard_size": 1000, "seed": 0}
-    progress = kwargs.pop("progress", False)
-    unknown = set(kwargs) - set(args)
-    if unknown:
-        raise TypeError(f"unknown arguments {sorted(unknown)}; known: {sorted(args)}")
-    args.update(kwargs)
-    found = load_manifest(out)
-    if (found is not None and found.get("mode") == "vqa" and found.get("args") == args
-            and found.get("format_version") == VQA_FORMAT_VERSION):  # fmt: skip
-        return {"out": os.fspath(out), **found, "seconds": 0.0}
-    return generate_vqa(out, progress=progress, **args)
+    defaults = {"count": 20000, "heldout_count": 512, "size": 48, "shard_size": 1000, "seed": 0}
+    return reuse_or_generate(out, defaults, kwargs, generate_vqa, format_version=VQA_FORMAT_VERSION, mode="vqa")

@@ -2,6 +2,7 @@
 text2image entrypoints as users do (subprocesses, torchrun for several ranks)."""
 from __future__ import annotations
 
+import glob
 import json
 import os
 import subprocess
@@ -64,4 +65,14 @@ def read_metrics(run_dir: str) -> dict[int, dict]:
             rec = json.loads(line)
             if "step" in rec and "loss" in rec:
                 out[rec["step"]] = rec
+    return out
+
+
+def file_tree(d: str) -> dict[str, bytes]:
+    """{relative path: bytes} of every file under d (byte-identity checks of generated datasets)."""
+    out = {}
+    for p in sorted(glob.glob(os.path.join(d, "**", "*"), recursive=True)):
+        if os.path.isfile(p):
+            with open(p, "rb") as f:
+                out[os.path.relpath(p, d)] = f.read()
     return out

@@ -12,6 +12,7 @@ import webdataset as wds
 from data import shapes as S
 from data import synth, synth_video
 from data.motion_analysis import analyse, score
+from tests.conftest import file_tree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,15 +26,6 @@ def _decode_mp4(data: bytes) -> np.ndarray:
 
 def _read(d, split="*"):
     return list(wds.WebDataset(sorted(glob.glob(os.path.join(d, split, "*.tar"))), shardshuffle=False))
-
-
-def _tree(d):
-    out = {}
-    for p in sorted(glob.glob(os.path.join(d, "**", "*"), recursive=True)):
-        if os.path.isfile(p):
-            with open(p, "rb") as f:
-                out[os.path.relpath(p, d)] = f.read()
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +85,7 @@ def test_deterministic_bytes_and_variable_sizes(tmp_path):
         a, b = str(tmp_path / f"a{fmt}"), str(tmp_path / f"b{fmt}")
         synth_video.generate_video(a, fmt=fmt, **kw)
         synth_video.generate_video(b, fmt=fmt, **kw)
-        ta, tb = _tree(a), _tree(b)
+        ta, tb = file_tree(a), file_tree(b)
         assert ta == tb and len(ta) == 3 + 1 + 1  # train: 3 shards, heldout: 1, manifest
         samples = _read(a)
         assert {fmt, "txt", "json"} <= set(samples[0]) and ({"mp4", "npy"} - {fmt}).isdisjoint(samples[0])

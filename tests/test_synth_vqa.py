@@ -1,7 +1,6 @@
 """The synthetic VQA mode of data.synth: conversation layout, answers vs pixels, held-out
 compositions, determinism, CLI."""
 
-import glob
 import io
 import json
 import os
@@ -18,6 +17,7 @@ from common.data.shards import ShardIndex, expand_shards
 from data import shapes as S
 from data import synth, synth_vqa as V
 from data.shape_analysis import analyse
+from tests.conftest import file_tree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = dict(count=60, heldout_count=30, size=48, shard_size=25, seed=0)
@@ -26,15 +26,6 @@ ARGS = dict(count=60, heldout_count=30, size=48, shard_size=25, seed=0)
 def _read(d, split):
     index = ShardIndex(expand_shards(os.path.join(d, split)))
     return [index.read(k, i) for k, n in enumerate(index.shard_sizes) for i in range(n)]
-
-
-def _tree(d):
-    out = {}
-    for p in sorted(glob.glob(os.path.join(d, "**", "*"), recursive=True)):
-        if os.path.isfile(p):
-            with open(p, "rb") as f:
-                out[os.path.relpath(p, d)] = f.read()
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +156,7 @@ def test_same_seed_same_bytes(ds, tmp_path):
     out, _, samples = ds
     again = str(tmp_path / "again")
     V.generate_vqa(again, **ARGS)
-    assert _tree(out) == _tree(again)
+    assert file_tree(out) == file_tree(again)
     other = _read(V.generate_vqa(str(tmp_path / "other"), **{**ARGS, "seed": 1})["out"], "train")
     assert sum(a["png"] != b["png"] for a, b in zip(samples["train"], other)) > 50
     # Per-sample seeding: a sample does not depend on the count.

@@ -57,16 +57,24 @@ class ImageDecoder:
         return out
 
 
-def save_grid(images: torch.Tensor, path: str, cols: int | None = None, scale: int = 1) -> None:
-    """Tile uint8 (N, H, W, 3) images into one PNG, upscaled by `scale` (nearest) for viewing."""
-    n, h, w, _ = images.shape
+def tile(clips: torch.Tensor, cols: int | None = None, border: int = 2) -> np.ndarray:
+    """uint8 (N, T, H, W, 3) -> one uint8 (T, H', W', 3) clip with the N clips tiled on a white grid
+    (an image grid is the T = 1 case)."""
+    n, t, h, w, _ = clips.shape
     cols = cols or math.ceil(math.sqrt(n))
     rows = math.ceil(n / cols)
-    grid = torch.zeros(rows * (h + 2) + 2, cols * (w + 2) + 2, 3, dtype=torch.uint8) + 255
+    grid = np.full((t, rows * (h + border) + border, cols * (w + border) + border, 3), 255, dtype=np.uint8)
+    arr = clips.numpy()
     for i in range(n):
         r, c = divmod(i, cols)
-        grid[2 + r * (h + 2): 2 + r * (h + 2) + h, 2 + c * (w + 2): 2 + c * (w + 2) + w] = images[i]
-    img = Image.fromarray(grid.numpy())
+        y, x = border + r * (h + border), border + c * (w + border)
+        grid[:, y:y + h, x:x + w] = arr[i]
+    return grid
+
+
+def save_grid(images: torch.Tensor, path: str, cols: int | None = None, scale: int = 1) -> None:
+    """Tile uint8 (N, H, W, 3) images into one PNG, upscaled by `scale` (nearest) for viewing."""
+    img = Image.fromarray(tile(images[:, None], cols)[0])
     if scale > 1:
         img = img.resize((img.width * scale, img.height * scale), Image.NEAREST)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

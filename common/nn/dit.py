@@ -89,6 +89,11 @@ class DiTTrunk(nn.Module):
     def reset_parameters(self) -> None:
         reset_dit_parameters(self)  # identity blocks, zero final layer
 
+    def parallel_limits(self) -> dict[str, str]:
+        """{parallel dimension: why this member cannot use it}; the trunk's plan
+        (common/nn/dit_parallel.py) covers them all, a member narrows it."""
+        return {}
+
     def condition(self, t: torch.Tensor, context: torch.Tensor, context_mask: torch.Tensor | None,
                   dtype: torch.dtype):
         """(t0 (B, 6D) for every block's adaLN, temb (B, D) for the final layer, projected text (B, L, D))."""

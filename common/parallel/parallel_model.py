@@ -8,6 +8,7 @@ import torch
 
 from common.parallel.data_parallel import apply_data_parallel, unwrap
 from common.parallel.dims import ParallelDims
+from common.parallel.layouts import check_layout
 from common.parallel.pipeline_parallel import PipelineRunner
 
 
@@ -57,7 +58,6 @@ def parallelize_data_only(model: torch.nn.Module, cfg, info, *, microbatches: in
                           name: str | None = None, units=()) -> ParallelModel:
     """The parallelize of a model with no tensor, context or pipeline plan: DDP or FSDP (with
     `units` as the sharding units) over every rank; tp/cp/pp > 1 are refused by name."""
-    from common.parallel.layouts import check_layout
     dims = ParallelDims.from_config(cfg, info.world_size)
     no_plan = "the model has no plan for it (data parallelism only)"
     check_layout(dims, cfg, {"tp": no_plan, "cp": no_plan, "pp": no_plan}, name or type(model).__name__)

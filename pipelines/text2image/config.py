@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import DiffusionConfig, ModelSizeConfig, TextDiffusionSections, check_run_config, doc
+from common.config import DiffusionConfig, ModelSizeConfig, TextDiffusionSections, doc
 
 
 @dataclass
@@ -31,8 +31,7 @@ class T2IConfig(TextDiffusionSections):
     vae: VaeConfig = doc(factory=VaeConfig, help="optional latent space")
 
     def validate(self) -> None:
-        self.check_text_diffusion()
-        check_run_config(self, positive={"model.image_size": self.model.image_size}, choices={
+        self.check(positive={"model.image_size": self.model.image_size}, choices={
             "diffusion.objective": (self.diffusion.objective, ("flow", "ddpm")),
             "diffusion.ddpm_prediction": (self.diffusion.ddpm_prediction, ("eps", "v")),
             "diffusion.ddpm_schedule": (self.diffusion.ddpm_schedule, ("linear", "cosine")),

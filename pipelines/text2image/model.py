@@ -71,10 +71,6 @@ class DiT(DiTTrunk):
         self.cfg = cfg
         self.reset_parameters()
 
-    def parallel_limits(self) -> dict[str, str]:
-        """Parallel dimensions this model cannot use, with the reason (none: the DiT supports all)."""
-        return {}
-
     def default_grid(self) -> tuple[int, int]:
         side = self.cfg.img_size // self.cfg.patch_size
         return side, side

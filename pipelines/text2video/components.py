@@ -12,7 +12,6 @@ The VideoDiT's config holds the LATENT shape (C, T', H', W').
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from dataclasses import dataclass
 
@@ -20,6 +19,7 @@ import numpy as np
 import torch
 
 from common.config import ConfigError
+from common.data.images import tile
 from common.data.media import encode_mp4
 from common.diffusion import noise as dnoise
 from common.diffusion import text_conditioned as tc
@@ -136,9 +136,7 @@ def make_step_fns(comp: Components, device):
     """(prepare, criterion) for the Trainer (common.diffusion.text_conditioned): clips (B, C, T, H, W),
     encoded to normalised latents with a VAE (posterior mean: deterministic), become flow training
     examples whose shift follows the clip's token count (longer or larger clips keep more signal at
-    a given t)."""
-    if comp.vae is not None:
-        comp.vae.to(device)
+    a given t). Expects the components on `device` already (comp.to(device))."""
 
     def encode(batch):
         x0 = batch["video"].to(device)
@@ -197,20 +195,6 @@ def save_gif(frames, path: str, fps: float, scale: int = 1) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     imgs = [Image.fromarray(f) for f in _upscale(np.asarray(frames), scale)]
     imgs[0].save(path, save_all=True, append_images=imgs[1:], duration=max(1, round(1000 / fps)), loop=0)
-
-
-def tile(clips: torch.Tensor, cols: int | None = None, border: int = 2) -> np.ndarray:
-    """uint8 (N, T, H, W, 3) -> one uint8 (T, H', W', 3) clip with the N clips tiled on a white grid."""
-    n, t, h, w, _ = clips.shape
-    cols = cols or math.ceil(math.sqrt(n))
-    rows = math.ceil(n / cols)
-    grid = np.full((t, rows * (h + border) + border, cols * (w + border) + border, 3), 255, dtype=np.uint8)
-    arr = clips.numpy()
-    for i in range(n):
-        r, c = divmod(i, cols)
-        y, x = border + r * (h + border), border + c * (w + border)
-        grid[:, y:y + h, x:x + w] = arr[i]
-    return grid
 
 
 def save_video_grid(clips: torch.Tensor, stem: str, fps: float, scale: int = 1) -> list[str]:

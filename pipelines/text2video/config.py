@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import ConfigError, ModelSizeConfig, SampleConfig, TextDiffusionSections, check_run_config, doc
+from common.config import ConfigError, ModelSizeConfig, SampleConfig, TextDiffusionSections, doc
 
 
 @dataclass
@@ -63,8 +63,7 @@ class T2VConfig(TextDiffusionSections):
     vae: VideoVaeConfig = doc(factory=VideoVaeConfig, help="optional latent space (a frozen video VAE)")
 
     def validate(self) -> None:
-        self.check_text_diffusion()
-        check_run_config(self, positive={
+        self.check(positive={
             "model.image_size": self.model.image_size, "model.frames": self.model.frames,
             "model.in_channels": self.model.in_channels, "sample.fps": self.sample.fps, "sample.scale": self.sample.scale,
         }, choices={

@@ -1,6 +1,8 @@
 """The text2video pipeline contract (common/pipeline.py): what the shared entrypoints run."""
 from __future__ import annotations
 
+import argparse
+
 from common.diffusion.text_conditioned import text_diffusion_spec
 from common.nn.dit_parallel import parallelize_dit
 from pipelines.text2video import components
@@ -19,10 +21,9 @@ def describe(comp: components.Components) -> str:
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError(text)
-    return value
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number >= 1")
+    return int(text)
 
 
 SPEC = text_diffusion_spec(
