@@ -214,9 +214,16 @@ def test_llama_packed_row_checks():
         model(batch.tokens, positions=batch.positions, cu_seqlens=batch.cu_seqlens[:-1])
     with pytest.raises(ValueError, match="positions .* do not match"):
         model(batch.tokens, positions=batch.positions[:, :-1])
-    with pytest.raises(ValueError, match="context parallelism"):
-        model.blocks[0].attention.attn_impl = lambda *a, **k: None
-        model(batch.tokens, positions=batch.positions, cu_seqlens=batch.cu_seqlens)
+    # A context-parallel attention receives the packed rows' offsets (it splits them itself).
+    seen = {}
+
+    def record(q, k, v, **kw):
+        seen.update(kw)
+        return torch.zeros_like(q)
+    model.blocks[0].attention.attn_impl = record
+    model(batch.tokens, positions=batch.positions, cu_seqlens=batch.cu_seqlens)
+    model.blocks[0].attention.attn_impl = None
+    assert torch.equal(seen["cu_seqlens"], batch.cu_seqlens) and seen["causal"] is True
     # The length limit is on the longest sequence: two rows of 32 fit max_seq_len 16 when packed
     # from 16-token samples, and not when one sequence is longer.
     short = Llama(LlamaConfig(dim=32, n_layers=1, n_heads=4, vocab_size=VOCAB, ffn_hidden=48, max_seq_len=16))

@@ -103,10 +103,13 @@ class LlamaAttention(nn.Module):
         q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cu_seqlens is not None:
-            if self.attn_impl is not None:
-                raise ValueError("packed rows (cu_seqlens) are not supported with context parallelism (attn_impl)")
             if attn_mask is not None:
                 raise ValueError("pass either attn_mask or cu_seqlens (packed sequences are the mask), not both")
+            if self.attn_impl is not None:
+                # Context parallelism: q/k/v stay (B, H, L_local, hd); cu_seqlens describes the
+                # whole (unsharded) B * L rows, which the CP attention splits into its segments.
+                return self.proj(_merge(self.attn_impl(q, k, v, causal=True, cu_seqlens=cu_seqlens,
+                                                       max_seqlen=max_seqlen)))
             b, l = x.shape[:2]
             flat = [t.transpose(1, 2).reshape(b * l, t.shape[1], hd) for t in (q, k, v)]  # (B*L, H, hd)
             out = attention(*flat, causal=True, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
