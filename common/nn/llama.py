@@ -42,6 +42,7 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     max_seq_len: int = 2048
     qk_norm: bool = False             # per-head RMSNorm on q and k (Qwen3 / OLMo-2 style)
+    qkv_bias: bool = False            # bias on the q/k/v projections (Qwen2 style)
 
     def __post_init__(self):
         kv = self.kv_heads
@@ -75,7 +76,7 @@ class LlamaAttention(nn.Module):
     """Causal grouped-query attention: Hq query heads share Hkv key/value heads (Hq % Hkv == 0)."""
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int | None = None, *, qk_norm: bool = False,
-                 eps: float = 1e-5):
+                 eps: float = 1e-5, qkv_bias: bool = False):
         super().__init__()
         n_kv_heads = n_kv_heads or n_heads
         if dim % n_heads or n_heads % n_kv_heads:
@@ -83,9 +84,9 @@ class LlamaAttention(nn.Module):
         # Global counts (validation, FLOPs); forward derives the local counts from widths.
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
         hd = self.head_dim
-        self.to_q = nn.Linear(dim, n_heads * hd, bias=False)
-        self.to_k = nn.Linear(dim, n_kv_heads * hd, bias=False)
-        self.to_v = nn.Linear(dim, n_kv_heads * hd, bias=False)
+        self.to_q = nn.Linear(dim, n_heads * hd, bias=qkv_bias)
+        self.to_k = nn.Linear(dim, n_kv_heads * hd, bias=qkv_bias)
+        self.to_v = nn.Linear(dim, n_kv_heads * hd, bias=qkv_bias)
         self.q_norm = RMSNorm(hd, eps) if qk_norm else nn.Identity()
         self.k_norm = RMSNorm(hd, eps) if qk_norm else nn.Identity()
         self.proj = nn.Linear(n_heads * hd, dim, bias=False)
@@ -124,7 +125,8 @@ class LlamaBlock(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = LlamaAttention(cfg.dim, cfg.n_heads, cfg.kv_heads, qk_norm=cfg.qk_norm, eps=cfg.norm_eps)
+        self.attention = LlamaAttention(cfg.dim, cfg.n_heads, cfg.kv_heads, qk_norm=cfg.qk_norm, eps=cfg.norm_eps,
+                                        qkv_bias=cfg.qkv_bias)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.dim, cfg.ffn_dim)
 
@@ -191,6 +193,8 @@ class Llama(nn.Module):
         for block in self.blocks:
             for lin in (block.attention.to_q, block.attention.to_k, block.attention.to_v, block.mlp.w1, block.mlp.w3):
                 nn.init.trunc_normal_(lin.weight, std=0.02, a=-0.06, b=0.06)
+                if lin.bias is not None:
+                    nn.init.zeros_(lin.bias)
             for lin in (block.attention.proj, block.mlp.w2):
                 nn.init.trunc_normal_(lin.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
             for norm in block.modules():
