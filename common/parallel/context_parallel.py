@@ -24,6 +24,19 @@ zigzag) before sharding; padded keys are never attended to, padded query rows gi
 shard and gather see the padded tokens as extra rows: that is exact for token-wise layers and
 CP attention, not for a layer that pools over the sequence. The true length is recorded by
 `shard` (or given as `seq_len=` to attention/gather).
+
+Packed rows (varlen): `attention(q, k, v, causal=True, cu_seqlens=cu, max_seqlen=m)` with cu the
+(S + 1,) int32 offsets of the documents over the flattened *unsharded* B x L tokens (the same
+tensor on every CP rank; every token in one document, none crossing a row boundary, a row's
+padding tail its own document) computes kernels.attention's varlen attention on the gathered
+rows: a token sees only its own document (causally, or all of it when causal=False). Ulysses
+reorders its full rows to natural order, drops the CP padding and runs the varlen kernel;
+ring/hybrid give every block pair a document plan (common.parallel.ring_attention._Packed:
+pairs that cannot meet are skipped, blocks inside one document stay unmasked, the rest get a
+document mask by global position, so zigzag chunks need nothing special). cu_seqlens is
+checked (ValueError) and turned into document ids once per tensor: the geometry is cached by
+the tensor's identity, so the layers of one step share it and pay one host sync in all.
+On CUDA the masked ring blocks run the reference math (the Triton kernel takes no mask).
 """
 from __future__ import annotations
 
@@ -34,7 +47,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from common.kernels import attention as _kernel_attention
-from common.parallel.ring_attention import _merge_adjacent, _Ring, _RingAttention
+from common.parallel.ring_attention import _merge_adjacent, _Packed, _Ring, _RingAttention
 
 MODES = ("ulysses", "ring", "hybrid")
 LAYOUTS = ("contiguous", "zigzag")
@@ -102,6 +115,7 @@ class ContextParallel:
         self.mode, self.layout, self.mesh = mode, layout, mesh
         self.seq_len: int | None = None  # true global length, recorded by shard()
         self._rings: dict = {}  # geometry caches: rings and Ulysses row orders
+        self._packs: dict = {}  # packed-row geometry: key -> (cu_seqlens, its version, value)
         if mesh is None:
             self.size, self.rank, self.ulysses_degree, self.ring_degree = 1, 0, 1, 1
             self._ulysses_group = self._ring_group = None
@@ -243,31 +257,104 @@ class ContextParallel:
 
     # ------------------------------------------------------------------ attention
     def attention(self, q, k, v, *, causal: bool = False, attn_mask=None, return_lse: bool = False,
-                  scale: float | None = None, seq_len: int | None = None, **unused):
+                  scale: float | None = None, seq_len: int | None = None,
+                  cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None, **unused):
         """kernels.attention over sequence-sharded q (B, Hq, L_local, D), k/v (B, Hkv, L_local, D).
         Returns out (B, Hq, L_local, D), or (out, lse) with lse (B, Hq, L_local) fp32 (not
-        differentiable under ring/hybrid). Padded query rows give zeros."""
+        differentiable under ring/hybrid). Padded query rows give zeros.
+        cu_seqlens: packed rows (see the module doc), offsets over the unsharded B x seq_len
+        tokens; max_seqlen (the longest document) is passed on to the varlen kernel."""
         if attn_mask is not None:
             raise ValueError(f"{self._describe()}: attn_mask is not supported under context parallelism "
                              "(the mask would have to be sharded like the keys); use causal= or no mask")
         if self.size == 1:
+            if cu_seqlens is not None:
+                self._packed_rows(cu_seqlens, q.shape[0], q.shape[2])
+                return self._varlen(q, k, v, causal, scale, cu_seqlens, max_seqlen, return_lse)
             return _kernel_attention(q, k, v, causal=causal, return_lse=return_lse, scale=scale)
         hq, hkv, d = q.shape[1], k.shape[1], q.shape[-1]
         seq_len = self._seq_len(q.shape[2], seq_len)
         self.validate(hq, hkv, seq_len)
         scale = d ** -0.5 if scale is None else scale
+        if cu_seqlens is not None:
+            self._packed_rows(cu_seqlens, q.shape[0], seq_len)  # ValueError before any collective
         if self.mode == "ulysses":
-            out, lse = self._ulysses(q, k, v, causal, scale, seq_len, return_lse)
+            out, lse = self._ulysses(q, k, v, causal, scale, seq_len, return_lse, cu_seqlens, max_seqlen)
         else:
             if self._ulysses_group is not None:
                 q, k, v = self._to_heads(q, k, v)
-            out, lse = _RingAttention.apply(q, k, v, self._ring(q.shape[2] // self.ulysses_degree, seq_len,
-                                                                causal, scale))
+            ring = self._ring(q.shape[2] // self.ulysses_degree, seq_len, causal, scale)
+            packed = (None if cu_seqlens is None else
+                      self._packed(ring, cu_seqlens, q.shape[0], seq_len, causal, q.device))
+            out, lse = _RingAttention.apply(q, k, v, ring, packed)
             if self._ulysses_group is not None:
                 out = _AllToAll.apply(out, self._ulysses_group, 2, 1)
                 if return_lse:
                     lse = _all_to_all(lse.unsqueeze(-1).contiguous(), self._ulysses_group, 2, 1).squeeze(-1)
         return (out, lse.float()) if return_lse else out
+
+    # ------------------------------------------------------------------ packed rows
+    def _cached(self, key, cu: torch.Tensor, build):
+        """build() once per cu_seqlens tensor (by identity and version) and geometry key. The
+        entry holds the tensor, so its storage cannot be reused by another batch's offsets.
+        Inference-mode tensors track no version: rebuilt on every call."""
+        version = None if cu.is_inference() else cu._version  # inference tensors keep no version
+        hit = self._packs.get(key)
+        if hit is not None and hit[0] is cu and version is not None and hit[1] == version:
+            return hit[2]
+        value = build()
+        self._packs[key] = (cu, version, value)
+        return value
+
+    def _packed_rows(self, cu: torch.Tensor, batch: int, seq_len: int) -> list[list[int]]:
+        """Validate cu_seqlens against B x seq_len rows; per row, the row-local document starts
+        with seq_len appended (one host sync per new tensor)."""
+        def build():
+            total = batch * seq_len
+            if cu.dim() != 1 or cu.numel() < 2 or cu.dtype.is_floating_point:
+                raise ValueError(f"{self._describe()}: cu_seqlens must be a 1-D integer tensor of S + 1 >= 2 "
+                                 f"offsets, got shape {tuple(cu.shape)} {cu.dtype}")
+            c = cu.tolist()
+            if c[0] != 0 or c[-1] != total or any(x > y for x, y in zip(c, c[1:])):
+                raise ValueError(f"{self._describe()}: cu_seqlens must rise from 0 to the {batch} x {seq_len} "
+                                 f"= {total} tokens of the unsharded rows; got {len(c)} offsets from {c[0]} "
+                                 f"to {c[-1]}")
+            bounds = set(c)
+            for r in range(1, batch):
+                if r * seq_len not in bounds:
+                    i = next(i for i, x in enumerate(c) if x > r * seq_len)
+                    raise ValueError(f"{self._describe()}: cu_seqlens segment {i - 1} [{c[i - 1]}, {c[i]}) "
+                                     f"crosses the boundary of rows {r - 1} and {r} at token {r * seq_len} "
+                                     f"(rows of length {seq_len}); packed segments must stay inside a row")
+            return [sorted({x - r * seq_len for x in c if r * seq_len <= x < (r + 1) * seq_len}) + [seq_len]
+                    for r in range(batch)]
+        return self._cached(("rows", batch, seq_len), cu, build)
+
+    def _packed(self, ring: _Ring, cu, batch: int, seq_len: int, causal: bool, device) -> _Packed:
+        """The ring's document plan for these rows; document ids live on `device` (q's)."""
+        def build():
+            starts = self._packed_rows(cu, batch, seq_len)
+            lp = self.padded_len(seq_len)
+            tok = torch.arange(batch * seq_len, device=device)
+            doc = (torch.searchsorted(cu.to(device, torch.long), tok, right=True) - 1).view(batch, seq_len)
+            if lp != seq_len:
+                doc = torch.cat([doc, doc.new_full((batch, lp - seq_len), -1)], 1)
+            return _Packed(ring, starts, doc, causal)
+        return self._cached(("ring", id(ring), batch, seq_len, causal, str(device)), cu, build)
+
+    @staticmethod
+    def _varlen(q, k, v, causal, scale, cu, max_seqlen, return_lse):
+        """The varlen kernel on full rows (B, H, L, D) in natural order, unpadded."""
+        b, h, n, d = q.shape
+        flat = [t.transpose(1, 2).reshape(b * n, t.shape[1], d) for t in (q, k, v)]
+        res = _kernel_attention(*flat, causal=causal, return_lse=return_lse, scale=scale, cu_seqlens_q=cu,
+                                cu_seqlens_k=cu, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen)
+        out, lse = res if return_lse else (res, None)
+        out = out.view(b, n, h, d).transpose(1, 2)
+        if lse is not None:
+            lse = lse.view(h, b, n).transpose(0, 1)
+            return out, lse
+        return out
 
     def _to_heads(self, q, k, v):
         """Ulysses all-to-all: (all heads, local tokens) -> (heads/U, the U shards' tokens). kv heads
@@ -281,13 +368,17 @@ class ContextParallel:
         return (_AllToAll.apply(q.contiguous(), g, 1, 2), _AllToAll.apply(k.contiguous(), g, 1, 2),
                 _AllToAll.apply(v.contiguous(), g, 1, 2))
 
-    def _ulysses(self, q, k, v, causal, scale, seq_len, return_lse):
+    def _ulysses(self, q, k, v, causal, scale, seq_len, return_lse, cu=None, max_seqlen=None):
         q, k, v = self._to_heads(q, k, v)
         lp = q.shape[2]
-        keep = self._ulysses_keep(lp, seq_len, causal, q.device)
+        # packed rows need natural order even without causality: documents are position ranges
+        keep = self._ulysses_keep(lp, seq_len, causal or cu is not None, q.device)
         if keep is not None:
             q, k, v = (t.index_select(2, keep) for t in (q, k, v))
-        res = _kernel_attention(q, k, v, causal=causal, return_lse=return_lse, scale=scale)
+        if cu is not None:
+            res = self._varlen(q, k, v, causal, scale, cu, max_seqlen, return_lse)
+        else:
+            res = _kernel_attention(q, k, v, causal=causal, return_lse=return_lse, scale=scale)
         out, lse = res if return_lse else (res, None)
         if keep is not None:  # back to the gathered order; padded query rows get out 0, lse -inf
             shape = out.shape[:2] + (lp,) + out.shape[3:]
