@@ -35,15 +35,21 @@ class PipelineSpec:
     parallelize: Callable[..., Any]
     decoder: Callable[[Any], Callable[[dict], dict]]  # components -> picklable shard-sample decoder
     signature: Callable[[Any], dict]  # components -> what a checkpoint must match to load
+    # The generative side, used by run.sample / run.evaluate and the in-training sample grids;
+    # a pipeline with its own sample/eval commands (vlm) leaves them None and sets sample_hook.
     # (components, model, prompts, seeds, *, steps, guidance, device, **options) -> media (N, ...)
-    generate: Callable[..., torch.Tensor]
+    generate: Callable[..., torch.Tensor] | None = None
     # (media, stem, components, options) -> written paths: every sample of a call in one file set
-    write_grid: Callable[[torch.Tensor, str, Any, dict], list[str]]
+    write_grid: Callable[[torch.Tensor, str, Any, dict], list[str]] | None = None
     # (one item of media, stem, components, options) -> ({index field: file name}, {extra index fields})
-    write_item: Callable[[torch.Tensor, str, Any, dict], tuple[dict, dict]]
+    write_item: Callable[[torch.Tensor, str, Any, dict], tuple[dict, dict]] | None = None
     describe: Callable[[Any], str] = lambda comp: type(comp.model).__name__  # start-up line
     flops: Callable[[Any, tuple], float] | None = None  # (components, inputs) -> forward FLOPs of a micro-batch
     bucket_tokens: Callable[[Any], Callable] | None = None  # components -> (shape -> tokens) for buckets
     sample_options: tuple[Option, ...] = field(default_factory=tuple)
     generate_options: tuple[str, ...] = ()  # dests of sample_options that generate takes
     media_noun: str = "samples"  # what sample.py says it wrote ("images", "clips")
+    collate: Callable[[Any], Callable | None] | None = None  # components -> loader collate (None: stack)
+    init: Callable[[Any], None] | None = None  # components -> None: weights from elsewhere before training
+    # (components, model, step, dist info) -> None: replaces the generate/write_grid sample point
+    sample_hook: Callable[[Any, torch.nn.Module, int, Any], None] | None = None

@@ -29,12 +29,16 @@ def prog(spec: PipelineSpec, command: str) -> str:
 
 
 # --------------------------------------------------------------------------- train
-def train(spec: PipelineSpec, argv=None) -> int:
-    cfg = parse_cli(spec.config, argv, prog(spec, "train"), spec.description)
+def train(spec: PipelineSpec, argv=None, cfg=None) -> int:
+    """argv: the command line; or cfg, an already parsed and validated config (staged runs)."""
+    if cfg is None:
+        cfg = parse_cli(spec.config, argv, prog(spec, "train"), spec.description)
     info = mdist.init_distributed()
     mdist.seed_everything(cfg.run.seed, info.rank)
     torch.use_deterministic_algorithms(True, warn_only=True)
     comp = spec.build(cfg)
+    if spec.init is not None:
+        spec.init(comp)
     comp.to(info.device)
     prepare, criterion = spec.step_fns(comp, info.device)
     n_params = sum(p.numel() for p in comp.model.parameters())  # before sharding: the whole model
@@ -42,15 +46,19 @@ def train(spec: PipelineSpec, argv=None) -> int:
                           name=spec.name)
     loader = StreamingLoader.from_config(cfg.data, spec.decoder(comp), dp_rank=pm.dp_rank, dp_size=pm.dp_size,
                                          seed=cfg.run.seed,
-                                         tokens=spec.bucket_tokens(comp) if spec.bucket_tokens else None)
+                                         tokens=spec.bucket_tokens(comp) if spec.bucket_tokens else None,
+                                         collate=spec.collate(comp) if spec.collate else None)
     # Sample grids show the first held-out captions (e.g. compositions never seen in training).
     prompts = [c for c, _ in first_examples(cfg.data.eval_shards, cfg.sample.num)] \
-        if cfg.data.eval_shards and cfg.sample.num else []
+        if cfg.data.eval_shards and cfg.sample.num and spec.sample_hook is None else []
     if info.is_main:
         print(f"{spec.name}: {spec.describe(comp)}, {n_params / 1e6:.2f}M params, {loader.num_samples} training "
               f"samples, world size {info.world_size} [{pm.dims.describe}], device {info.device}", flush=True)
 
     def sample_fn(model_for_sampling, step: int) -> None:
+        if spec.sample_hook is not None:
+            spec.sample_hook(comp, model_for_sampling, step, info)
+            return
         if not prompts:
             return
         seeds = [cfg.sample.seed + i for i in range(len(prompts))]

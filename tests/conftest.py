@@ -76,3 +76,12 @@ def file_tree(d: str) -> dict[str, bytes]:
             with open(p, "rb") as f:
                 out[os.path.relpath(p, d)] = f.read()
     return out
+
+
+@pytest.fixture(scope="session")
+def vqa_data(tmp_path_factory):
+    """A small synthetic VQA set (data.synth --vqa): train/ and heldout/ shards of 48 px images."""
+    from data.synth_vqa import generate_vqa
+    out = tmp_path_factory.mktemp("vqa")
+    generate_vqa(str(out), count=192, heldout_count=32, shard_size=64, seed=0)
+    return str(out)

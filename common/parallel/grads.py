@@ -13,13 +13,20 @@ import math
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+
+def _is_shard(placement) -> bool:
+    # FSDP over a TP-sharded dim gives _StridedShard, which (torch 2.14) is not a Shard subclass
+    # and whose is_shard() is False; counted as replicated, its elements would be divided twice.
+    return isinstance(placement, (Shard, _StridedShard))
 
 
 def _local_and_copies(g: torch.Tensor, ranks_per_stage: int) -> tuple[torch.Tensor, int]:
     if isinstance(g, DTensor):
         shards = 1
         for size, placement in zip(g.device_mesh.shape, g.placements):
-            if isinstance(placement, Shard):
+            if _is_shard(placement):
                 shards *= size
         return g.to_local(), ranks_per_stage // shards
     return g, ranks_per_stage
