@@ -101,6 +101,10 @@ def build_vlm(cfg: VLMConfig, tokenizer: ChatTokenizer) -> VisionLanguageModel:
     trainable = {"align": ("projector",), "instruct": ("projector", "lm"), "full": ("projector", "lm", "visual")}
     for name in ("visual", "projector", "lm"):
         getattr(model, name).requires_grad_(name in trainable[cfg.stage.name])
+    if isinstance(getattr(model.visual, "proj", None), nn.Parameter):
+        # CLIP's pooled-feature projection: the VLM reads patch tokens, so it never gets a gradient
+        # (and must not be a trainable parameter without one under data parallelism).
+        model.visual.proj.requires_grad_(False)
     return model
 
 

@@ -120,7 +120,8 @@ def lm_loss(logits: torch.Tensor, target: torch.Tensor, average: str = "token") 
     positions]. token: mean over the loss tokens; sample: mean over samples (segments) with loss
     tokens of their mean token loss. A batch without loss tokens gives 0 (differentiable)."""
     tgt, pos = target[:, 0], target[:, 1]
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
+    x = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits  # fp64 stays fp64
+    loss = F.cross_entropy(x.flatten(0, 1), tgt.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
     counted = tgt.flatten() != IGNORE_INDEX
     if average == "token":
         return loss.sum() / counted.sum().clamp_min(1)
