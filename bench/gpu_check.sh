@@ -5,7 +5,7 @@
 #   1. Python: .venv (made by `make setup` when absent, bounded: a box without network fails
 #      fast there), else a python3 that already has torch + triton + pytest.
 #   2. nvidia-smi
-#   3. pytest tests/test_triton_ops.py tests/test_triton_attention.py (natively on CUDA)
+#   3. pytest tests/test_triton_ops.py tests/test_triton_attention.py tests/test_llama_megatron.py (natively on CUDA)
 #   4. bench/kernels.py with a time budget; JSON to bench/results/kernels.json
 # Logs and the JSON are copied to $OUT when that is set.
 #   bash bench/gpu_check.sh            GPU_CHECK_TOTAL_S=360 (seconds for all steps)
@@ -49,6 +49,8 @@ timeout 20 nvidia-smi 2>&1 | tee "$LOGS/nvidia-smi.log" || log "nvidia-smi faile
 # ---- 3. kernel tests (CUDA-native cases run because CUDA is present) ---------------------------
 tests=(tests/test_triton_ops.py)
 [ -f tests/test_triton_attention.py ] && tests+=(tests/test_triton_attention.py)
+# megatron-core LM backend: logits of GPTModel vs our Llama (skipped, and listed as such, without megatron-core)
+[ -f tests/test_llama_megatron.py ] && tests+=(tests/test_llama_megatron.py)
 t_tests=$(( $(left) / 3 ))
 [ "$t_tests" -gt 150 ] && t_tests=150
 log "pytest ${tests[*]} (at most ${t_tests} s)"

@@ -37,6 +37,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common.parallel.balance import imbalance, moved, plan, shares  # noqa: E402
+from pipelines.vlm.data import tile_count as vlm_tile_count  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TILE = 48
@@ -48,18 +49,9 @@ RESOLUTIONS = [(None, 0.10), ((48, 48), 0.20), ((96, 96), 0.15), ((144, 144), 0.
 
 
 def tile_count(h: int, w: int, tile: int = TILE, max_tiles: int = 6) -> int:
-    """Tiles of one h x w image under dynamic tiling: 1 if it fits in one tile, else a grid of
-    ceil(h/tile) x ceil(w/tile) tiles (shrunk along its longer side until rows*cols <= max_tiles)
-    plus a thumbnail."""
-    rows, cols = math.ceil(h / tile), math.ceil(w / tile)
-    if rows * cols <= 1:
-        return 1
-    while rows * cols > max_tiles:
-        if cols >= rows:
-            cols -= 1
-        else:
-            rows -= 1
-    return rows * cols + 1 if rows * cols > 1 else 1
+    """Tiles of one h x w image under the vlm pipeline's dynamic tiling (pipelines/vlm/data.py):
+    1 when it fits one tile, else a thumbnail plus the aspect-matched grid of at most max_tiles."""
+    return vlm_tile_count(w, h, tile, max_tiles)
 
 
 def vit_flops_per_tile(tile: int = TILE, width: int = VIT["width"], layers: int = VIT["layers"],
