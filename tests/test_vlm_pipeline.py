@@ -210,6 +210,47 @@ def test_loader_counts_and_skips_bad_samples_and_keeps_going(tok, tmp_path):
     assert all(int((b["tokens"] == tok.image_token_id).sum()) == 4 * int(b["tile_mask"].sum()) for b in batches)
 
 
+def test_make_shards_conversations_decode_with_every_image(tok, tmp_path):
+    """Shards from `data.make_shards conversations` (one image with a marker, two without) decode
+    to one placeholder run per image, in order."""
+    from data import make_shards
+    d = tmp_path / "in"
+    d.mkdir()
+    for n, colour in {"a.png": (200, 10, 10), "b.png": (10, 10, 200)}.items():
+        Image.new("RGB", (24, 24), colour).save(d / n)
+    rows = [{"image": "a.png", "conversations": [{"from": "human", "value": "<image>\nWhat colour?"},
+                                                 {"from": "gpt", "value": "red"}]},
+            {"images": ["a.png", "b.png"], "turns": [{"role": "user", "content": "Compare."},
+                                                      {"role": "assistant", "content": "red"}]}]
+    (d / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "shards"
+    assert make_shards.main(["conversations", "--input", str(d / "rows.jsonl"), "--out", str(out), "--size", "16",
+                             "--format", "png"]) == 0
+    from pipelines.vlm.components import iter_samples
+    dec = VLMDecoder(tok, tile=16, max_tiles=2, tokens_per_tile=4, row_len=64)
+    one, two = [dec(raw) for raw in iter_samples(str(out))]
+    assert one["tiles"].shape[0] == 1 and two["tiles"].shape[0] == 2
+    assert int((two["ids"] == tok.image_token_id).sum()) == 8
+    # first image red, second blue, in placeholder order
+    assert two["tiles"][0, 0].mean() > two["tiles"][0, 2].mean() and two["tiles"][1, 2].mean() > two["tiles"][1, 0].mean()
+
+
+def test_lm_from_a_hugging_face_folder(tok, tmp_path):
+    from common.nn.llama import Llama, LlamaConfig
+    from common.nn.llama_hf import save_hf_lm
+    from pipelines.vlm.components import build_lm
+    torch.manual_seed(3)
+    src = Llama(LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320, multiple_of=16))
+    save_hf_lm(src, tmp_path / "hf")
+    cfg = build_config(VLMConfig, TINY, [f"lm.hf_path={tmp_path / 'hf'}", "stages=[]"])
+    lm = build_lm(cfg, tok)
+    assert all(torch.equal(a, b) for a, b in zip(src.state_dict().values(), lm.state_dict().values()))
+    small = Llama(LlamaConfig(dim=32, n_layers=1, n_heads=4, vocab_size=64, multiple_of=16))
+    save_hf_lm(small, tmp_path / "small")
+    with pytest.raises(ConfigError, match="embedding rows"):
+        build_lm(build_config(VLMConfig, TINY, [f"lm.hf_path={tmp_path / 'small'}", "stages=[]"]), tok)
+
+
 def test_config_errors_are_one_line(tmp_path):
     with pytest.raises(ConfigError, match="stage.name"):
         build_config(VLMConfig, TINY, ["stage.name=pretrain"])

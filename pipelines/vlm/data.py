@@ -115,7 +115,17 @@ class VLMDecoder:
     def __call__(self, sample: dict) -> dict:
         meta = json.loads(sample["json"]) if "json" in sample else {}
         turns = self._turns(sample, meta)
-        n_images = sum(t.get("content", "").count("<image>") for t in turns if isinstance(t, dict))
+        n_images = sum(t.get("content", "").count("<image>") for t in turns if isinstance(t, dict)
+                       and isinstance(t.get("content"), str))
+        declared = meta.get("images") if isinstance(meta.get("images"), int) else 0
+        if n_images == 0 and declared:
+            # Images without markers (make_shards keeps the rows' text as given): they go before the
+            # first user turn's text, LLaVA's convention.
+            first = next((i for i, t in enumerate(turns) if isinstance(t, dict) and t.get("role") == "user"), None)
+            if first is not None and isinstance(turns[first].get("content"), str):
+                turns = [dict(t) for t in turns]
+                turns[first]["content"] = "<image>\n" * declared + turns[first]["content"]
+                n_images = declared
         tiles = [image_tiles(im, self.tile, self.max_tiles) for im in _images(sample, n_images)] if n_images else []
         enc = self.tok.encode_conversation(turns, [len(t) * self.tokens_per_tile for t in tiles])
         if len(enc.ids) > self.row_len:
