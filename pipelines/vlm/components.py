@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from common.config import ConfigError, from_yaml_file
-from common.data.captions import first_examples
 from common.data.chat import ChatTokenizer
 from common.diffusion.noise import mix_seed
 from common.nn.llama import Llama, LlamaConfig
