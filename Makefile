@@ -7,7 +7,7 @@ DATA ?= datasets/synth
 # Extra train overrides, e.g. make demo DEMO_ARGS="train.steps=4500" (about 15 minutes of training).
 DEMO_ARGS ?=
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo vlm-demo test test-fast bench clean
 
 setup: $(VENV)/.installed
 
@@ -25,6 +25,16 @@ demo: setup
 		data.train_shards=$(DATA)/train data.eval_shards=$(DATA)/heldout $(DEMO_ARGS)
 	$(PY) -m pipelines.text2image.eval --run $(RUN) --save-grid $(RUN)/eval_grid.png
 
+# The vision-language pipeline on synthetic VQA: CLIP, align and instruct stages, then eval.
+VLM_RUN ?= runs/vlm-tiny
+VQA_DATA ?= datasets/vqa
+VLM_ARGS ?=
+vlm-demo: setup
+	$(PY) -m data.synth --vqa --out $(VQA_DATA)
+	$(PY) -m pipelines.vlm.train --config pipelines/vlm/configs/tiny.yaml run.dir=$(VLM_RUN) \
+		data.train_shards=$(VQA_DATA)/train data.eval_shards=$(VQA_DATA)/heldout $(VLM_ARGS)
+	$(PY) -m pipelines.vlm.eval --run $(VLM_RUN)
+
 test: setup
 	$(PY) -m pytest -q
 
@@ -35,4 +45,4 @@ bench: setup
 	$(PY) bench/t2i_cpu.py
 
 clean:
-	rm -rf $(RUN) $(DATA)
+	rm -rf $(RUN) $(DATA) $(VLM_RUN) $(VQA_DATA)

@@ -68,6 +68,22 @@ def read_metrics(run_dir: str) -> dict[int, dict]:
     return out
 
 
+def final_weights(spec, run: str, step: int) -> dict:
+    """The run's final checkpoint (not EMA) loaded in one process: every shard gathered by DCP."""
+    from common.run import load_run
+    comp, meta = load_run(spec, run, use_ema=False)
+    assert meta["step"] == step
+    return {k: v.clone() for k, v in comp.model.state_dict().items()}
+
+
+def assert_same_training(ref_run: str, run: str, steps) -> None:
+    """Per-step loss and gradient norm of `run` equal those of `ref_run` (rtol 1e-5)."""
+    ref, par = read_metrics(ref_run), read_metrics(run)
+    for step in steps:
+        assert par[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5), (step, par[step], ref[step])
+        assert par[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-5), (step, par[step], ref[step])
+
+
 def file_tree(d: str) -> dict[str, bytes]:
     """{relative path: bytes} of every file under d (byte-identity checks of generated datasets)."""
     out = {}

@@ -16,7 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import read_metrics, run_train
+from tests.conftest import assert_same_training, run_train
+from tests.conftest import final_weights as conftest_final_weights
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
@@ -61,18 +62,8 @@ def single_run(synth_data, tmp_path_factory):
 
 
 def final_weights(run: str, step: int) -> dict[str, torch.Tensor]:
-    from common.run import load_run
     from pipelines.text2image.spec import SPEC
-    comp, meta = load_run(SPEC, run, use_ema=False)
-    assert meta["step"] == step
-    return {k: v.clone() for k, v in comp.model.state_dict().items()}
-
-
-def assert_same_training(ref_run: str, run: str, steps) -> None:
-    ref, par = read_metrics(ref_run), read_metrics(run)
-    for step in steps:
-        assert par[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5), (step, par[step], ref[step])
-        assert par[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-5), (step, par[step], ref[step])
+    return conftest_final_weights(SPEC, run, step)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

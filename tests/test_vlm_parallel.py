@@ -24,7 +24,8 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import ROOT, env, read_metrics
+from tests.conftest import ROOT, assert_same_training, env
+from tests.conftest import final_weights as conftest_final_weights
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 
@@ -82,18 +83,8 @@ def single_run(vqa_data, tokenizer, tmp_path_factory):
 
 
 def final_weights(run: str, step: int) -> dict[str, torch.Tensor]:
-    from common.run import load_run
     from pipelines.vlm.spec import SPEC
-    comp, meta = load_run(SPEC, run, use_ema=False)
-    assert meta["step"] == step
-    return {k: v.clone() for k, v in comp.model.state_dict().items()}
-
-
-def assert_same_training(ref_run: str, run: str, steps) -> None:
-    ref, par = read_metrics(ref_run), read_metrics(run)
-    for step in steps:
-        assert par[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5), (step, par[step], ref[step])
-        assert par[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-5), (step, par[step], ref[step])
+    return conftest_final_weights(SPEC, run, step)
 
 
 def assert_same_weights(ref_run: str, run: str, step: int) -> None:
