@@ -153,6 +153,19 @@ def pad_batch(samples: Sequence[Sample], max_len: int | None = None, *, pad_id: 
     return _assemble([[i] for i in kept], samples, row_len, pad_id, False, skipped)
 
 
+def segments_from_positions(positions: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(cu_seqlens (S + 1,) int32, longest segment) of rows whose positions restart at 0 where a
+    segment starts (a sample, or a row's padding tail counted as one segment): what a model that
+    receives only row-batched tensors (split along dim 0 by data or pipeline parallelism) rebuilds
+    the varlen offsets from. One device sync, for the longest segment."""
+    flat = positions.reshape(-1)
+    starts = torch.nonzero(flat == 0).squeeze(1)
+    if starts.numel() == 0 or int(starts[0]) != 0:
+        raise ValueError("packed rows must start every row with position 0")
+    cu = torch.cat([starts, torch.tensor([flat.numel()], device=flat.device)]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
 # --------------------------------------------------------------------------------------- loss
 def token_losses(logits_or_token_loss: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
     """Per-token loss (R, L), zero wherever the target is IGNORE_INDEX. Takes logits (R, L, V)

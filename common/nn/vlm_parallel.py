@@ -26,19 +26,13 @@ import torch
 from torch import nn
 
 from common.config import ConfigError
+from common.data.packing import segments_from_positions
 from common.dist import DistInfo
 from common.nn.dit_parallel import apply_block_options
 from common.parallel.dims import ParallelDims
 from common.parallel.layouts import check_layout
 from common.parallel.parallel_model import ParallelModel
 from common.parallel.pipeline_parallel import PipelineRunner, split_layers, stage_ids
-
-
-def _segments(positions: torch.Tensor) -> tuple[torch.Tensor, int]:
-    flat = positions.reshape(-1)
-    starts = torch.nonzero(flat == 0).squeeze(1)
-    cu = torch.cat([starts, torch.tensor([flat.numel()], device=flat.device)]).to(torch.int32)
-    return cu, int((cu[1:] - cu[:-1]).max())
 
 
 def parallelize_vlm(model, cfg, info: DistInfo, *, microbatches: int = 1, criterion=None,
@@ -179,7 +173,7 @@ class VLMStage(nn.Module):
             # start at position 0 (the collate makes them), and a dense pass has the same shapes.
             cu, longest, positions = None, None, None
         else:
-            cu, longest = _segments(positions)
+            cu, longest = segments_from_positions(positions)
         rope = model.lm.rope(h.shape[1], positions, h.device)
         for block in self.lm.blocks.values():
             h = block(h, rope, None, cu_seqlens=cu, max_seqlen=longest)

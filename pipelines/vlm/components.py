@@ -204,8 +204,8 @@ def flops(comp: Components, inputs: tuple) -> float:
     lm, c = model.lm, model.lm.cfg
     tokens, positions, tiles, tile_mask = inputs
     dense = sum(p.numel() for p in lm.parameters()) - lm.tok_embeddings.weight.numel()
-    from pipelines.vlm.model import segments
-    cu, _ = segments(positions)
+    from common.data.packing import segments_from_positions
+    cu, _ = segments_from_positions(positions)
     seg = (cu[1:] - cu[:-1]).double()
     attn = 2.0 * c.n_layers * c.dim * float((seg * seg).sum())  # QK^T and AV, causal half of 2 x 2
     n_tiles = int(tile_mask.sum())

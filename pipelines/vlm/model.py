@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.data.packing import IGNORE_INDEX
+from common.data.packing import IGNORE_INDEX, segments_from_positions
 from common.nn.llama import Llama
 
 
@@ -46,18 +46,6 @@ class Projector(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(self.norm(x))))
-
-
-def segments(positions: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(cu_seqlens (S + 1,) int32, longest segment) of packed rows whose positions restart at 0
-    at every segment start (one device sync, for the longest segment)."""
-    flat = positions.reshape(-1)
-    starts = torch.nonzero(flat == 0).squeeze(1)
-    if starts.numel() == 0 or int(starts[0]) != 0:
-        raise ValueError("packed rows must start every row with position 0")
-    end = torch.tensor([flat.numel()], device=flat.device)
-    cu = torch.cat([starts, end]).to(torch.int32)
-    return cu, int((cu[1:] - cu[:-1]).max())
 
 
 def run_vision(visual: nn.Module, tiles: torch.Tensor) -> torch.Tensor:
@@ -110,7 +98,7 @@ class VisionLanguageModel(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, tiles: torch.Tensor,
                 tile_mask: torch.Tensor) -> torch.Tensor:
         h = self.embed(tokens, tiles, tile_mask)
-        cu, longest = segments(positions)
+        cu, longest = segments_from_positions(positions)
         return self.lm.output(self.lm.hidden_states(inputs_embeds=h, positions=positions, cu_seqlens=cu,
                                                     max_seqlen=longest))
 
