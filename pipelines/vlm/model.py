@@ -1,7 +1,8 @@
 """The vision-language model: open_clip ViT -> pixel shuffle -> MLP projector -> Llama decoder.
 
     tiles (N, 3, S, S) -> ViT patch tokens (N, g*g, C) -> pixel shuffle (N, (g/s)^2, s*s*C)
-      -> projector (LayerNorm, Linear, GELU, Linear) -> (N, T, D) image embeddings
+      -> projector (LayerNorm, Linear, GELU, Linear) + a learned embedding of the token's place in
+      the tile -> (N, T, D) image embeddings
     tokens (R, L) -> LM embeddings; the image-token placeholders (R, L) == image_token_id are
       replaced, in row-major order, by the image embeddings of the row's tiles in order
       -> Llama blocks over packed rows (segments derived from `positions`) -> logits (R, L, V)
@@ -38,14 +39,19 @@ def pixel_shuffle(tokens: torch.Tensor, grid: int, s: int) -> torch.Tensor:
 
 
 class Projector(nn.Module):
-    def __init__(self, in_dim: int, hidden: int, out_dim: int):
+    """LayerNorm, Linear, GELU, Linear, plus a learned embedding of each token's place in its tile:
+    the LM's RoPE only orders the image tokens relative to the text around them, and CLIP's
+    objective does not keep the ViT's position embedding legible in its output tokens."""
+
+    def __init__(self, in_dim: int, hidden: int, out_dim: int, tokens: int):
         super().__init__()
         self.norm = nn.LayerNorm(in_dim)
         self.fc1 = nn.Linear(in_dim, hidden)
         self.fc2 = nn.Linear(hidden, out_dim)
+        self.pos = nn.Parameter(torch.randn(tokens, out_dim) * 0.02)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(self.norm(x))))
+        return self.fc2(F.gelu(self.fc1(self.norm(x)))) + self.pos
 
 
 def run_vision(visual: nn.Module, tiles: torch.Tensor) -> torch.Tensor:
@@ -66,7 +72,8 @@ class VisionLanguageModel(nn.Module):
         self.visual = visual
         self.lm = lm
         self.grid, self.shuffle, self.image_token_id = grid, shuffle, image_token_id
-        self.projector = Projector(vision_width * shuffle * shuffle, projector_hidden or lm.cfg.dim, lm.cfg.dim)
+        self.projector = Projector(vision_width * shuffle * shuffle, projector_hidden or lm.cfg.dim, lm.cfg.dim,
+                                   (grid // shuffle) ** 2)
         # (fn, tiles) -> fn(tiles): where the tiles' ViT work runs (data-parallel balancing plugs in here).
         self.vision_dispatch = lambda fn, tiles: fn(tiles)
 
