@@ -61,7 +61,7 @@ class PackingConfig:
 @dataclass
 class StageConfig:
     name: str = doc("instruct", "clip | align | instruct | full (what this run trains)")
-    init: str = doc("", "run directory (or checkpoint) of the previous stage to start from: a clip run gives the "
+    init: str = doc("", "run directory of the previous stage to start from (its latest checkpoint): a clip run gives the "
                         "vision tower, a VLM run the whole model")
     caption_prompt: str = doc("Describe the image.", "align: the user turn asking for the caption")
 
