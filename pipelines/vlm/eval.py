@@ -86,11 +86,13 @@ def main(argv=None) -> int:
     per_type: dict[str, list[int]] = {}
     for (_, _, ref, kind), a in zip(qa, got):
         per_type.setdefault(kind, []).append(int(normalise(a) == normalise(ref)))
-    result = {"step": meta["step"], "checkpoint": meta["path"], "stage": comp.cfg.stage.name, "n_images": len(caps),
+    result = {"step": meta["step"], "checkpoint": meta["path"], "stage": comp.cfg.stage.name, "shards": shards,
+              "n_images": len(caps),
               "n_questions": len(qa), "accuracy": {k: sum(v) / len(v) for k, v in sorted(per_type.items())},
               "counts": {k: len(v) for k, v in sorted(per_type.items())},
               "overall": sum(sum(v) for v in per_type.values()) / len(qa)}
-    lines = [f"eval on {len(qa)} held-out questions about {len(caps)} images (stage {comp.cfg.stage.name}, "
+    split = "held-out" if shards == comp.cfg.data.eval_shards else shards
+    lines = [f"eval on {len(qa)} {split} questions about {len(caps)} images (stage {comp.cfg.stage.name}, "
              f"step {meta['step']}, {time.perf_counter() - t0:.0f} s): "
              + ", ".join(f"{k} {v:.1%}" for k, v in result["accuracy"].items()) + f"; overall {result['overall']:.1%}"]
     if args.captions > 0 and caps:
