@@ -32,7 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common.config import build_config  # noqa: E402
 from common.data.chat import train_bpe  # noqa: E402
-from pipelines.vlm.components import build_vlm, iter_samples, tokens_per_tile  # noqa: E402
+from common.data.shards import iter_samples  # noqa: E402
+from pipelines.vlm.components import build_vlm, tokens_per_tile  # noqa: E402
 from pipelines.vlm.config import VLMConfig  # noqa: E402
 from pipelines.vlm.data import PackCollate, VLMDecoder  # noqa: E402
 from pipelines.vlm.model import lm_loss  # noqa: E402

@@ -226,7 +226,7 @@ def test_make_shards_conversations_decode_with_every_image(tok, tmp_path):
     out = tmp_path / "shards"
     assert make_shards.main(["conversations", "--input", str(d / "rows.jsonl"), "--out", str(out), "--size", "16",
                              "--format", "png"]) == 0
-    from pipelines.vlm.components import iter_samples
+    from common.data.shards import iter_samples
     dec = VLMDecoder(tok, tile=16, max_tiles=2, tokens_per_tile=4, row_len=64)
     one, two = [dec(raw) for raw in iter_samples(str(out))]
     assert one["tiles"].shape[0] == 1 and two["tiles"].shape[0] == 2

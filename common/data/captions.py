@@ -21,13 +21,10 @@ def read_attributes(sample: dict) -> dict:
 def first_examples(spec: str, n: int) -> list[tuple[str, dict]]:
     """(caption, attributes) of the first n samples of some shards, in shard order (no shuffle):
     the fixed held-out prompts of sample grids and eval."""
-    from common.data.shards import ShardIndex, expand_shards
-    index = ShardIndex(expand_shards(spec))
+    from common.data.shards import iter_samples
     out = []
-    for shard_id, size in enumerate(index.shard_sizes):
-        for sample_id in range(size):
-            if len(out) == n:
-                return out
-            s = index.read(shard_id, sample_id)
-            out.append((caption_of(s), read_attributes(s)))
+    for s in iter_samples(spec):
+        if len(out) == n:
+            break
+        out.append((caption_of(s), read_attributes(s)))
     return out

@@ -191,3 +191,15 @@ class ShardIndex:
                 self.close()
         except Exception:
             pass
+
+
+def iter_samples(spec):
+    """Every sample of some shards ({__key__, __url__, ext: bytes}) in shard order, no shuffle;
+    reads only what the caller consumes."""
+    index = ShardIndex(expand_shards(spec))
+    try:
+        for shard_id, size in enumerate(index.shard_sizes):
+            for sample_id in range(size):
+                yield index.read(shard_id, sample_id)
+    finally:
+        index.close()

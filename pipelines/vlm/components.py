@@ -15,6 +15,8 @@ from torch import nn
 
 from common.config import ConfigError, from_yaml_file
 from common.data.chat import ChatTokenizer
+from common.data.images import image_bytes
+from common.data.shards import iter_samples
 from common.diffusion.noise import mix_seed
 from common.nn.llama import Llama, LlamaConfig
 from pipelines.vlm import clip as clip_stage
@@ -230,24 +232,12 @@ def heldout_questions(shards: str, n: int) -> list[tuple[bytes, str, str, str]]:
     out = []
     for raw in iter_samples(shards):
         meta = json.loads(raw["json"])
-        img = next((raw[e] for e in ("png", "jpg", "jpeg", "webp") if e in raw), None)
+        img = image_bytes(raw)
         for qa in meta.get("qa", []):
             out.append((img, qa["question"], qa["answer"], qa["type"]))
             if len(out) >= n:
                 return out
     return out
-
-
-def iter_samples(shards: str):
-    """Shard samples in order ({ext: bytes}), reading nothing it does not yield."""
-    from common.data.shards import ShardIndex, expand_shards
-    index = ShardIndex(expand_shards(shards))
-    try:
-        for shard_id, size in enumerate(index.shard_sizes):
-            for sample_id in range(size):
-                yield index.read(shard_id, sample_id)
-    finally:
-        index.close()
 
 
 def answer(comp: Components, model: VisionLanguageModel, images: list, questions: list[str], *,

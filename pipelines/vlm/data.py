@@ -17,14 +17,13 @@ import math
 
 import numpy as np
 import torch
+from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 from PIL import Image
 
 from common.data.chat import ChatTokenizer
+from common.data.images import IMAGE_EXTS
 from common.data.packing import IGNORE_INDEX, pack_samples, pad_batch
 
-IMAGE_EXTS = ("png", "jpg", "jpeg", "webp")
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # open_clip's OPENAI_DATASET_MEAN / STD
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 def tile_grid(width: int, height: int, tile: int, max_tiles: int) -> tuple[int, int]:
@@ -53,8 +52,8 @@ def tile_count(width: int, height: int, tile: int, max_tiles: int) -> int:
 
 def _normalise(img: Image.Image) -> torch.Tensor:
     x = torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0).permute(2, 0, 1)
-    mean = torch.tensor(CLIP_MEAN).view(3, 1, 1)
-    std = torch.tensor(CLIP_STD).view(3, 1, 1)
+    mean = torch.tensor(OPENAI_DATASET_MEAN).view(3, 1, 1)  # what the CLIP stage trained with
+    std = torch.tensor(OPENAI_DATASET_STD).view(3, 1, 1)
     return (x - mean) / std
 
 

@@ -24,7 +24,9 @@ from common.cli import run_cli
 from common.config import ConfigError, from_yaml_file
 from common.run import check_run_dir, load_run
 from pipelines.vlm import clip as clip_stage
-from pipelines.vlm.components import answer, clip_zero_shot, iter_samples
+from common.data.images import image_bytes
+from common.data.shards import iter_samples
+from pipelines.vlm.components import answer, clip_zero_shot
 from pipelines.vlm.config import VLMConfig
 from pipelines.vlm.spec import SPEC
 
@@ -56,7 +58,7 @@ def questions(shards: str, num: int) -> tuple[list[tuple], list[tuple]]:
         if len(caps) >= num:
             break
         meta = json.loads(raw["json"]) if "json" in raw else {}
-        img = next((raw[e] for e in ("png", "jpg", "jpeg", "webp") if e in raw), None)
+        img = image_bytes(raw)
         if img is None or not meta.get("qa"):
             continue
         qa += [(img, q["question"], q["answer"], q["type"]) for q in meta["qa"]]
