@@ -128,19 +128,27 @@ class TextConfig:
 
 
 @dataclass
-class ModelSizeConfig:
+class TransformerSizeConfig:
     """A model section's sizes: a named preset, overridden field by field where set (> 0)."""
     preset: str = doc("tiny", "tiny | S | B | XL: model size; the fields below override the preset where set (> 0)")
-    patch_size: int = doc(0, "(spatial) patch size in model-input pixels or latents (0: preset)")
     hidden: int = doc(0, "transformer width (0: preset)")
     depth: int = doc(0, "number of transformer blocks (0: preset)")
     heads: int = doc(0, "attention heads (0: preset)")
     mlp_ratio: float = doc(0.0, "MLP hidden / width (0: preset)")
 
+    size_fields = ("hidden", "depth", "heads", "mlp_ratio")  # class attribute, not a config key
+
     def size_overrides(self) -> dict:
         """The preset fields this section sets (> 0)."""
-        names = ("patch_size", "hidden", "depth", "heads", "mlp_ratio")
-        return {k: getattr(self, k) for k in names if getattr(self, k)}
+        return {k: getattr(self, k) for k in self.size_fields if getattr(self, k)}
+
+
+@dataclass
+class ModelSizeConfig(TransformerSizeConfig):
+    """TransformerSizeConfig plus the patch size of a patchified (image or video) model."""
+    patch_size: int = doc(0, "(spatial) patch size in model-input pixels or latents (0: preset)")
+
+    size_fields = TransformerSizeConfig.size_fields + ("patch_size",)
 
 
 @dataclass

@@ -64,7 +64,9 @@ def apply_context_parallel(model, mesh, dims: ParallelDims, num_tokens: int) -> 
         h, t0, ctx, mask, rope = args
         if block is first:
             h = cp.shard(h, 1)
-        return h, t0, ctx, mask, tuple(cp.shard(r, 0) for r in rope)  # RoPE rows follow their tokens
+        if rope is not None:  # RoPE rows follow their tokens (a set model has none)
+            rope = tuple(cp.shard(r, 0) for r in rope)
+        return h, t0, ctx, mask, rope
 
     for block in model.blocks:
         block.attn.attn_impl = cp.attention
