@@ -2,7 +2,7 @@
 
     python -m data.make_shards images        --input PATH --out DIR [--size 256] [--crop center]
     python -m data.make_shards videos        --input PATH --out DIR [--fps 8 --frames 16 --size 256]
-    python -m data.make_shards meshes        --input PATH --out DIR [--points 4096]
+    python -m data.make_shards meshes        --input PATH --out DIR [--points 4096 --occupancy 2048]
     python -m data.make_shards conversations --input FILE.jsonl --out DIR [--size 256]
 
 One subcommand per media kind, all sharing `convert` (resumable; see its docstring). Sample
@@ -212,7 +212,7 @@ def videos_main(a: argparse.Namespace) -> dict:
 def meshes_main(a: argparse.Namespace) -> dict:
     from data.sources.mesh import MESH_EXTS, MeshOpts, MeshWork
 
-    opts = MeshOpts(points=a.points, default_color=tuple(a.default_color))
+    opts = MeshOpts(points=a.points, default_color=tuple(a.default_color), occupancy=a.occupancy)
     return convert(media_items(a.input, MESH_EXTS, "mesh"), MeshWork(opts), a.out, a.shard_size, a.workers,
                    a.report, progress=not a.no_progress, config={"kind": "meshes", **asdict(opts)},
                    unit="mesh")  # fmt: skip
@@ -302,10 +302,15 @@ def _parser() -> argparse.ArgumentParser:
     ms = sub.add_parser("meshes", help="meshes to coloured point clouds (trimesh)",
                         description=MANIFEST_NOTE + " Mesh files: .obj .ply .glb .gltf .stl .off. Each "
                         "sample gets __key__, npy (N, 6) float16 xyz+rgb with xyz in the unit cube "
-                        "[-0.5, 0.5]^3, txt and json (vertices, faces, bounds, center, scale, "
-                        "source). No rendered views." + RESUME_NOTE)  # fmt: skip
+                        "[-0.5, 0.5]^3, occ.npy (Q, 7) float16 xyz, occupancy, rgb (half near the "
+                        "surface, half uniform in [-0.55, 0.55]^3; inside by the generalized winding "
+                        "number), txt and json (vertices, faces, bounds, center, scale, source). "
+                        "Meshes without faces, of zero area or with NaN/inf vertices are skipped, and "
+                        "with occupancy also non-manifold ones. No rendered views." + RESUME_NOTE)  # fmt: skip
     _common_args(ms, "folder or manifest file (see above)")
     ms.add_argument("--points", type=int, default=4096, help="points sampled per mesh (default 4096)")
+    ms.add_argument("--occupancy", type=int, default=2048,
+                    help="occupancy queries per mesh in occ.npy; 0: no occ.npy (default 2048)")
     ms.add_argument("--default-color", type=float, nargs=3, default=[0.7, 0.7, 0.7], metavar=("R", "G", "B"),
                     help="rgb in [0, 1] for meshes without colours (default 0.7 0.7 0.7)")
     ms.set_defaults(run=meshes_main)
@@ -324,9 +329,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
-    for name in ("size", "shard_size", "workers", "quality", "frames", "fps", "points", "clips_per_video"):
+    for name in ("size", "shard_size", "workers", "quality", "frames", "fps", "points", "clips_per_video",
+                 "occupancy"):
         v = getattr(a, name, None)
-        if v is not None and (v < 0 if name in ("size", "clips_per_video") else v <= 0):
+        if v is not None and (v < 0 if name in ("size", "clips_per_video", "occupancy") else v <= 0):
             print(f"error: --{name.replace('_', '-')} must be positive, got {v}", file=sys.stderr)
             return 2
     try:

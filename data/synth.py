@@ -12,7 +12,8 @@ Output is a pure function of the arguments: every sample draws from its own gene
 arguments give byte-identical shards on any run.
 
 Video mode (`--video`): see `data/synth_video.py`. VQA mode (`--vqa`, images of 1-3 shapes with
-question/answer conversations for VLMs): see `data/synth_vqa.py`.
+question/answer conversations for VLMs): see `data/synth_vqa.py`. 3-D mode (`--3d`, coloured
+primitives as point clouds plus occupancy, for text-to-3D): see `data/synth_3d.py`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import numpy as np
 from data import shapes as S
 from data.synth_common import load_manifest  # noqa: F401  (re-exported: synth.load_manifest reads any mode's)
 from data.synth_common import RADIUS_JITTER, SPLIT_CODE, article, check_at_least, encode_png, reuse_or_generate, write_dataset
+from data.synth_3d import generate_3d
 from data.synth_video import MOTIONS, VIDEO_FORMATS, generate_video
 from data.synth_vqa import generate_vqa
 
@@ -180,19 +182,22 @@ def _parser() -> argparse.ArgumentParser:
         "questions about colour, shape, count and position in the layout of `make_shards "
         "conversations` (json turns, first user turn starting with <image>, plus a qa list and a "
         "txt caption); the held-out split holds the (colour, shape, count) compositions listed in "
-        "data/synth_vqa.py, never seen in training.",
+        "data/synth_vqa.py, never seen in training. With --3d: one coloured 3-D primitive per sample "
+        "(sphere, cube, cylinder, cone, torus, pyramid, capsule x size x aspect x position) as an "
+        "(N, 6) xyz+rgb surface point cloud (npy) plus occupancy queries (occ.npy: xyz, inside, rgb), "
+        "captioned; held-out (shape, colour) pairs as listed in data/shapes3d.py.",
     )
     p.add_argument("--out", required=True, help="output folder; gets train/, heldout/, manifest.json")
     p.add_argument("--count", type=int, default=None,
-                   help="training samples (default 20000 images / 5000 clips / 20000 VQA images)")
+                   help="training samples (default 20000 images / 5000 clips / 20000 VQA images / 8000 3-D)")
     p.add_argument("--heldout-count", type=int, default=None,
                    help="held-out samples, all from held-out (shape, colour) pairs, or (colour, shape, count) "
-                   "compositions with --vqa (default 512 / 256 / 512)")
+                   "compositions with --vqa (default 512 / 256 / 512 / 448)")
     p.add_argument("--size", type=int, default=None,
                    help="image side in pixels, >= 8 (default 32; with --vqa >= 24, default 48 so each "
                    "grid cell holds a legible shape)")
     p.add_argument("--shard-size", type=int, default=None,
-                   help="samples per tar shard (default 1000 images / 500 clips / 1000 VQA images)")
+                   help="samples per tar shard (default 1000 images / 500 clips / 1000 VQA images / 1000 3-D)")
     p.add_argument("--seed", type=int, default=0, help="random seed; fixes every byte of the output (default 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     v = p.add_argument_group("video mode")
@@ -211,6 +216,12 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--vqa", action="store_true",
                    help="generate images of 1-3 shapes with question/answer conversations and captions "
                    "(data/synth_vqa.py)")
+    t = p.add_argument_group("3-D mode")
+    t.add_argument("--3d", dest="three_d", action="store_true",
+                   help="generate coloured 3-D primitives as point clouds with occupancy (data/synth_3d.py)")
+    t.add_argument("--points", type=int, default=2048, help="surface points per sample, npy (default 2048)")
+    t.add_argument("--occupancy", type=int, default=2048,
+                   help="occupancy queries per sample, occ.npy; 0: none (default 2048)")
     return p
 
 
@@ -222,9 +233,16 @@ def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     size = 32 if a.size is None else a.size
     try:
-        if a.video and a.vqa:
-            raise ValueError("--video and --vqa are separate datasets: give one of them")
-        if a.vqa:
+        if a.video + a.vqa + a.three_d > 1:
+            raise ValueError("--video, --vqa and --3d are separate datasets: give one of them")
+        if a.three_d:
+            if a.size is not None:
+                raise ValueError("--size does not apply to --3d (the scene is the unit cube)")
+            summary = generate_3d(a.out, 8000 if a.count is None else a.count,
+                                  448 if a.heldout_count is None else a.heldout_count, a.points, a.occupancy,
+                                  1000 if a.shard_size is None else a.shard_size, a.seed,
+                                  progress=not a.no_progress)  # fmt: skip
+        elif a.vqa:
             summary = generate_vqa(a.out, 20000 if a.count is None else a.count,
                                    512 if a.heldout_count is None else a.heldout_count,
                                    48 if a.size is None else a.size,

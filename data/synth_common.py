@@ -53,7 +53,7 @@ def write_split(out: str, split: str, count: int, shard_size: int, make: Callabl
     # mtime=0 and fixed owner make the tar headers reproducible; verbose=0 keeps stdout clean.
     writer = wds.ShardWriter(pattern, maxcount=shard_size, verbose=0, mtime=0.0)
     try:
-        for i in tqdm(range(count), desc=split, unit="img", disable=not progress, leave=False):
+        for i in tqdm(range(count), desc=split, unit="sample", disable=not progress, leave=False):
             writer.write(make(split, i))
     finally:
         writer.close()

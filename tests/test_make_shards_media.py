@@ -123,6 +123,86 @@ def test_meshes(tmp_path, capsys):
     assert np.allclose(np.load(io.BytesIO(by["a plain"]["npy"]))[:, 3:], 0.7, atol=1e-3)
     assert json.loads(by["a box"]["json"])["scale"] == 4.0
 
+    # Occupancy (default 2048 queries), in the cloud's normalised frame.
+    for name, x in by.items():
+        occ = np.load(io.BytesIO(x["occ.npy"]))
+        assert occ.shape == (2048, 7) and occ.dtype == np.float16 and set(np.unique(occ[:, 3])) <= {0, 1}
+        assert np.abs(occ[1024:, :3]).max() <= 0.55 + 1e-3  # the uniform half
+        assert 0.25 < occ[:1024, 3].astype(float).mean() < 0.75, name  # the near-surface half: both sides
+        assert json.loads(x["json"])["occupancy"] == 2048
+        assert np.allclose(occ[:, 4:], np.load(io.BytesIO(x["npy"]))[0, 3:])  # one-colour meshes
+    # The 4 x 2 x 2 box normalises to [-0.5, 0.5] x [-0.25, 0.25]^2: labels are that box exactly.
+    occ = np.load(io.BytesIO(by["a box"]["occ.npy"])).astype(np.float64)
+    inside = (np.abs(occ[:, :3]) < [0.5, 0.25, 0.25]).all(axis=1)
+    assert (inside == (occ[:, 3] == 1)).mean() >= 0.999
+    # The scene's box and sphere overlap: inside either one is inside.
+    occ = np.load(io.BytesIO(by["a scene"]["occ.npy"])).astype(np.float64)
+    assert occ[occ[:, 3] == 1].shape[0] > 100
+
+
+def _write_obj(path, verts, faces):
+    lines = [f"v {x} {y} {z}" for x, y, z in verts] + [f"f {a + 1} {b + 1} {c + 1}" for a, b, c in faces]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_meshes_bad_geometry(tmp_path, capsys):
+    d = tmp_path / "bad"
+    d.mkdir()
+    tet_v = [(0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1)]
+    tet_f = [(0, 2, 1), (0, 1, 3), (1, 2, 3), (2, 0, 3)]
+    _write_obj(d / "good.obj", tet_v, tet_f)
+    (d / "nofaces.obj").write_text("v 0 0 0\nv 1 0 0\nv 0 1 0\n")
+    _write_obj(d / "flat.obj", [(0, 0, 0), (1, 0, 0), (2, 0, 0)], [(0, 1, 2)])  # collinear: zero area
+    _write_obj(d / "nan.obj", [(0, 0, 0), (1, 0, 0), ("nan", 1, 0), (0, 0, 1)], tet_f)
+    _write_obj(d / "inf.obj", [(0, 0, 0), (1, 0, 0), (0, "inf", 0), (0, 0, 1)], tet_f)
+    # Three fins on one edge; written as STL, so every face has its own vertex copies.
+    fins = trimesh.Trimesh([(0, 0, 0), (1, 0, 0), (0, 1, 0), (0, -1, 0), (0, 0, 1)], [(0, 1, 2), (0, 1, 3), (0, 1, 4)],
+                           process=False)  # fmt: skip
+    fins.export(d / "fins.stl")
+    for n in ("good", "nofaces", "flat", "nan", "inf", "fins"):
+        (d / f"{n}.txt").write_text(f"a {n}")
+    out = tmp_path / "out"
+    rc, s, _ = _run("meshes", ["--input", str(d), "--out", str(out), "--points", "64", "--occupancy", "256"], capsys)
+    assert rc == 0 and s == {"read": 6, "written": 1, "skipped": 5}
+    r = _reasons(out)
+    assert r["nofaces.obj"] == "no faces"
+    assert r["flat.obj"].startswith("zero-area mesh")
+    assert r["nan.obj"] == r["inf.obj"] == "non-finite vertices (NaN or inf)"
+    assert r["fins.stl"].startswith("non-manifold mesh (an edge shared by 3 faces)")
+    assert len(set(r.values())) == 4  # four distinct reasons (NaN and inf share one)
+    (good,) = _samples(out)
+    occ = np.load(io.BytesIO(good["occ.npy"]))
+    assert occ.shape == (256, 7) and 0 < occ[:, 3].astype(float).sum() < 256
+
+    # Without occupancy a non-manifold mesh is fine (its surface can still be sampled).
+    out0 = tmp_path / "out0"
+    rc, s, _ = _run("meshes", ["--input", str(d), "--out", str(out0), "--points", "64", "--occupancy", "0"], capsys)
+    assert rc == 0 and s == {"read": 6, "written": 2, "skipped": 4}
+    assert "fins.stl" not in _reasons(out0)
+    for x in _samples(out0):
+        assert "occ.npy" not in x and json.loads(x["json"])["occupancy"] == 0
+        assert np.load(io.BytesIO(x["npy"])).shape == (64, 6)
+    # The cloud does not depend on the occupancy setting.
+    same = [x for x in _samples(out0) if x["txt"] == b"a good"][0]
+    assert same["npy"] == good["npy"]
+
+
+def test_winding_number():
+    from data.sources.mesh import winding_number
+
+    box = trimesh.creation.box(extents=(2, 2, 2))
+    pts = np.array([[0, 0, 0], [0.9, 0.9, -0.9], [1.1, 0, 0], [0, 0, 5], [-0.99, 0.5, 0.2]])
+    w = winding_number(box.triangles, pts)
+    assert np.allclose(w, [1, 1, 0, 0, 1], atol=1e-9)
+    assert np.allclose(winding_number(box.triangles[:, ::-1], pts), -w)  # flipped orientation
+    # An open box (one face, i.e. 2 triangles, missing) still reads as mostly inside near its centre.
+    wo = winding_number(box.triangles[2:], pts[:1])
+    assert 0.5 < wo[0] < 1
+    # Chunking does not change the result.
+    q = np.random.default_rng(0).uniform(-1.5, 1.5, (300, 3))
+    assert np.allclose(winding_number(box.triangles, q, chunk_elems=7), winding_number(box.triangles, q))
+    assert winding_number(np.zeros((0, 3, 3)), q).tolist() == [0.0] * 300
+
 
 def test_conversations(tmp_path, capsys):
     d = tmp_path / "vqa"
@@ -159,7 +239,8 @@ def test_conversations(tmp_path, capsys):
 
 def test_help_and_all_failed(tmp_path, capsys):
     for kind, flags in {"videos": ("--fps", "--frames", "--clips-per-video", "--stride", "mp4"),
-                        "meshes": ("--points", "npy"), "conversations": ("conversations", "--size")}.items():
+                        "meshes": ("--points", "npy", "--occupancy", "occ.npy", "non-manifold"),
+                        "conversations": ("conversations", "--size")}.items():
         with pytest.raises(SystemExit) as e:
             make_shards.main([kind, "--help"])
         assert e.value.code == 0
