@@ -7,7 +7,7 @@ DATA ?= datasets/synth
 # Extra train overrides, e.g. make demo DEMO_ARGS="train.steps=4500" (about 15 minutes of training).
 DEMO_ARGS ?=
 
-.PHONY: setup demo vlm-demo test test-fast bench clean
+.PHONY: setup demo vlm-demo text23d-demo test test-fast bench clean
 
 setup: $(VENV)/.installed
 
@@ -35,6 +35,23 @@ vlm-demo: setup
 		data.train_shards=$(VQA_DATA)/train data.eval_shards=$(VQA_DATA)/heldout $(VLM_ARGS)
 	$(PY) -m pipelines.vlm.eval --run $(VLM_RUN)
 
+# Text-to-3D on synthetic primitives: stage A (point-cloud flow), then stage B (shape VAE, then a
+# latent flow on its latents), each evaluated on held-out compositions.
+T3D_RUN ?= runs/t3d
+T3D_DATA ?= datasets/synth3d
+T3D_ARGS ?=
+T3D_SHARDS = data.train_shards=$(T3D_DATA)/train data.eval_shards=$(T3D_DATA)/heldout
+text23d-demo: setup
+	$(PY) -m data.synth --3d --out $(T3D_DATA)
+	$(PY) -m pipelines.text23d.train --config pipelines/text23d/configs/tiny_points.yaml run.dir=$(T3D_RUN)/points \
+		$(T3D_SHARDS) $(T3D_ARGS)
+	$(PY) -m pipelines.text23d.eval --run $(T3D_RUN)/points --save-grid $(T3D_RUN)/points/eval_grid
+	$(PY) -m pipelines.text23d.train --config pipelines/text23d/configs/tiny_vae.yaml run.dir=$(T3D_RUN)/vae \
+		$(T3D_SHARDS) $(T3D_ARGS)
+	$(PY) -m pipelines.text23d.train --config pipelines/text23d/configs/tiny_latent.yaml run.dir=$(T3D_RUN)/latent \
+		vae.run=$(T3D_RUN)/vae $(T3D_SHARDS) $(T3D_ARGS)
+	$(PY) -m pipelines.text23d.eval --run $(T3D_RUN)/latent --save-grid $(T3D_RUN)/latent/eval_grid
+
 test: setup
 	$(PY) -m pytest -q
 
@@ -45,4 +62,4 @@ bench: setup
 	$(PY) bench/t2i_cpu.py
 
 clean:
-	rm -rf $(RUN) $(DATA) $(VLM_RUN) $(VQA_DATA)
+	rm -rf $(RUN) $(DATA) $(VLM_RUN) $(VQA_DATA) $(T3D_RUN) $(T3D_DATA)

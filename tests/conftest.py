@@ -34,11 +34,20 @@ def env() -> dict:
     return e
 
 
-def train_cmd(nproc: int = 1) -> list[str]:
+def train_cmd(nproc: int = 1, module: str = "pipelines.text2image.train") -> list[str]:
     if nproc == 1:
-        return [sys.executable, "-m", "pipelines.text2image.train"]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "pipelines.text2image.train"]
+        return [sys.executable, "-m", module]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", module]
+
+
+def run_checked(cmd: list[str], timeout: int = 600, check: bool = True) -> subprocess.CompletedProcess:
+    """Run an entrypoint as users do (repo root, PYTHONPATH, one thread); AssertionError with the
+    output's tail when it fails and `check`."""
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd[:6])} ... failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-5000:]}")
+    return proc
 
 
 def run_train(run_dir: str, data_dir: str, *overrides: str, nproc: int = 1, check: bool = True,
@@ -46,10 +55,7 @@ def run_train(run_dir: str, data_dir: str, *overrides: str, nproc: int = 1, chec
     args = train_cmd(nproc) + ["--config", TINY_YAML, f"run.dir={run_dir}",
                                f"data.train_shards={data_dir}/train", f"data.eval_shards={data_dir}/heldout",
                                *SMALL_MODEL, *overrides]
-    proc = subprocess.run(args, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return proc
+    return run_checked(args, timeout, check)
 
 
 def run_module(module: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -101,3 +107,14 @@ def vqa_data(tmp_path_factory):
     out = tmp_path_factory.mktemp("vqa")
     generate_vqa(str(out), count=192, heldout_count=32, shard_size=64, seed=0)
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def synth3d_data(tmp_path_factory):
+    """A small synthetic 3-D set (data.synth --3d): train/ and heldout/ shards of coloured
+    primitives with 512 surface points and 256 occupancy queries each."""
+    from data.synth_3d import generate_3d
+    out = tmp_path_factory.mktemp("synth3d")
+    generate_3d(str(out), count=128, heldout_count=16, points=512, occupancy=256, shard_size=32, seed=0)
+    return str(out)
+

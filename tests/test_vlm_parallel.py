@@ -19,12 +19,11 @@ import glob
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.conftest import ROOT, assert_same_training, env
+from tests.conftest import ROOT, assert_same_training, run_checked, train_cmd
 from tests.conftest import final_weights as conftest_final_weights
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
@@ -53,17 +52,9 @@ LAYOUTS = {
 
 def run_vlm(run_dir: str, data_dir: str, tokenizer: str, *overrides: str, nproc: int = 1,
             timeout: int = 600) -> subprocess.CompletedProcess:
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "pipelines.vlm.train"]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "pipelines.vlm.train"]
-    cmd += ["--config", VLM_YAML, f"run.dir={run_dir}", f"data.train_shards={data_dir}/train",
-            f"data.eval_shards={data_dir}/heldout", f"tokenizer.path={tokenizer}", *SMALL, *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise AssertionError(f"train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return proc
+    return run_checked(train_cmd(nproc, "pipelines.vlm.train") + [
+        "--config", VLM_YAML, f"run.dir={run_dir}", f"data.train_shards={data_dir}/train",
+        f"data.eval_shards={data_dir}/heldout", f"tokenizer.path={tokenizer}", *SMALL, *overrides], timeout)
 
 
 @pytest.fixture(scope="module")
