@@ -55,9 +55,10 @@ def compare(clouds: list[np.ndarray], refs: list[np.ndarray], attrs: list[dict])
     kept = [i for i, c in enumerate(clouds) if len(c)]
     result = {"n": len(clouds), "empty": len(clouds) - len(kept)}
     judged = score([clouds[i] for i in kept], [attrs[i] for i in kept]) if kept else {}
-    for key in ("shape_acc", "colour_acc", "both_acc"):  # over all n: empty clouds are misses
-        result[key] = judged.get(key, 0.0) * len(kept) / max(len(clouds), 1)
+    for key in ("shape_acc", "colour_acc", "both_acc", "size_acc", "aspect_acc", "position_acc"):
+        result[key] = judged.get(key, 0.0) * len(kept) / max(len(clouds), 1)  # over all n: empties are misses
     result["per_shape"] = judged.get("per_shape", {})
+    result["confusion"] = judged.get("confusion", {})  # true shape -> {analysed shape or "none": count}
     ch = [chamfer_distance(clouds[i][:, :3], refs[i][:len(clouds[i]), :3]) for i in kept]
     fs = [f_score(clouds[i][:, :3], refs[i][:len(clouds[i]), :3], FSCORE_AT) for i in kept]
     result["chamfer"] = float(np.mean(ch)) if ch else float("nan")
@@ -91,7 +92,8 @@ def _line(name: str, r: dict) -> str:
     iou = f", occupancy IoU {r['iou']:.3f}" if "iou" in r else ""
     empty = f", {r['empty']} empty" if r["empty"] else ""
     return (f"{name}: shape accuracy {r['shape_acc']:.1%}, colour accuracy {r['colour_acc']:.1%}, both "
-            f"{r['both_acc']:.1%}; Chamfer {r['chamfer']:.4f}, F-score@{FSCORE_AT} {r['fscore']:.3f}{floor}{iou}{empty}")
+            f"{r['both_acc']:.1%} (size {r['size_acc']:.1%}, position {r['position_acc']:.1%}); Chamfer "
+            f"{r['chamfer']:.4f}, F-score@{FSCORE_AT} {r['fscore']:.3f}{floor}{iou}{empty}")
 
 
 def main(argv=None) -> int:
@@ -133,8 +135,8 @@ def main(argv=None) -> int:
     with open(os.path.join(args.run, "eval.json"), "w") as f:
         json.dump(result, f, indent=1)
     if args.save_grid:
-        stem = os.path.splitext(args.save_grid)[0]
-        C.write_grid(shown[:16], stem, comp, {})
+        stem, ext = os.path.splitext(args.save_grid)
+        C.write_grid(shown[:16], stem if ext in (".png", ".gif") else args.save_grid, comp, {})
     print(f"eval of {args.run} (stage {cfg.stage}, step {meta['step']}):")
     for line in lines:
         print("  " + line)
