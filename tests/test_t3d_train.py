@@ -78,6 +78,7 @@ def test_points_stage_resumes_bit_for_bit(points_run, synth3d_data, tmp_path):
         assert read_metrics(run)[s]["loss"] == read_metrics(points_run)[s]["loss"]
 
 
+@pytest.mark.slow  # ~40 s: two trainings, three evals with marching cubes
 def test_vae_then_latent_stage(synth3d_data, tmp_path):
     vae_run, latent_run = str(tmp_path / "vae"), str(tmp_path / "latent")
     run_t3d("tiny_vae.yaml", vae_run, synth3d_data, "train.steps=8", "train.sample_every=8")
