@@ -136,27 +136,36 @@ def load_vae_run(run_dir: str) -> tuple[T3DConfig, ShapeVAE]:
     return vcfg, comp.model
 
 
-def measure_latent_scale(codec: LatentCodec, shards: str, surface_points: int, n: int = 512) -> float:
-    """The std of the posterior means of the first n training shapes (1.0 when the shards cannot be
-    read, e.g. at sample time elsewhere: the checkpoint then restores the measured value)."""
+def first_shapes(shards: str, n: int, surface_points: int) -> list[dict]:
+    """The first n decodable samples of some shards (shard order), each ShapeDecoder's output;
+    corrupt ones are skipped as in training."""
     from common.data.shards import iter_samples
-    decode = ShapeDecoder(surface_points)
-    try:
-        surfaces = []
-        for s in iter_samples(shards):
-            if len(surfaces) == n:
-                break
-            try:
-                surfaces.append(decode(s)["points"])
-            except ValueError:
-                continue  # a corrupt sample, skipped here as in training
-    except (OSError, ValueError):
-        return 1.0
-    if not surfaces:
-        return 1.0
-    means = torch.cat([codec.vae.encode(to_model_space(torch.stack(surfaces[i:i + 64])))[0]
-                       for i in range(0, len(surfaces), 64)])
-    return float(means.std())
+    decode, out = ShapeDecoder(surface_points), []
+    for s in iter_samples(shards):
+        if len(out) == n:
+            break
+        try:
+            out.append(decode(s))
+        except ValueError:
+            continue
+    return out
+
+
+def measure_latent_scale(comp: Components) -> None:
+    """Latent stage, before training (spec.init): the codec's scale = vae.latent_scale, or the std
+    of the posterior means of the first 512 training shapes. Sampling and eval skip this: the
+    checkpoint restores the scale with the codec."""
+    cfg = comp.cfg
+    if comp.codec is None:
+        return
+    scale = cfg.vae.latent_scale
+    if not scale:
+        surfaces = [d["points"] for d in first_shapes(cfg.data.train_shards, 512, cfg.vae.surface_points)]
+        means = torch.cat([comp.codec.vae.encode(to_model_space(torch.stack(surfaces[i:i + 64])))[0]
+                           for i in range(0, len(surfaces), 64)])
+        scale = float(means.std())
+    with torch.no_grad():
+        comp.codec.scale.fill_(scale)
 
 
 def build(cfg: T3DConfig) -> Components:
@@ -172,10 +181,7 @@ def build(cfg: T3DConfig) -> Components:
                                                                      **common)))
         return Components(cfg, model, text, objective)
     vcfg, vae = load_vae_run(cfg.vae.run)
-    codec = LatentCodec(vae)
-    with torch.no_grad():
-        codec.scale.fill_(cfg.vae.latent_scale
-                          or measure_latent_scale(codec, cfg.data.train_shards, vcfg.vae.surface_points))
+    codec = LatentCodec(vae)  # its scale: measure_latent_scale before training, the checkpoint after
     # The VAE's architecture and inputs are the vae run's: recorded in this run's config.yaml too.
     cfg.vae = dataclasses.replace(vcfg.vae, run=cfg.vae.run, latent_scale=cfg.vae.latent_scale,
                                   mesh_resolution=cfg.vae.mesh_resolution)
@@ -299,14 +305,8 @@ def sample_hook(comp: Components, model: nn.Module, step: int, info) -> None:
     if not cfg.data.eval_shards or not cfg.sample.num:
         return
     if cfg.stage == "vae":
-        from common.data.shards import iter_samples
-        decode, shapes, captions = ShapeDecoder(cfg.vae.surface_points), [], []
-        for s in iter_samples(cfg.data.eval_shards):
-            if len(shapes) == cfg.sample.num:
-                break
-            d = decode(s)
-            shapes.append(d["points"])
-            captions.append(d["caption"])
+        heldout = first_shapes(cfg.data.eval_shards, cfg.sample.num, cfg.vae.surface_points)
+        shapes, captions = [d["points"] for d in heldout], [d["caption"] for d in heldout]
         was_training = model.training
         model.eval()
         media = reconstruct(model, torch.stack(shapes), cfg.vae.mesh_resolution)

@@ -32,6 +32,7 @@ SPEC = PipelineSpec(
     write_item=C.write_item,
     describe=C.describe,
     flops=C.flops,
+    init=C.measure_latent_scale,
     sample_hook=C.sample_hook,
     media_noun="shapes",
 )
