@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_leaves
 from common.kernels import (AUTO_TRITON_OPS, cross_entropy, cross_entropy_eager, resolve_backend, rms_norm, swiglu,
                             use_backend)
 from common.kernels import backend as kb
+from tests.triton_checks import CHECK_SEED_ARGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECKS = os.path.join(ROOT, "tests", "triton_checks", "ops_checks.py")
@@ -33,7 +34,7 @@ def _run_checks(*args: str, interpret: bool, timeout: int = 240) -> dict:
     if interpret:
         env["TRITON_INTERPRET"] = "1"
         env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run([sys.executable, CHECKS, *args], cwd=ROOT, env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, CHECKS, *args, *CHECK_SEED_ARGS], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     report = json.loads(lines[-1]) if lines else {}
