@@ -256,7 +256,7 @@ def _rank(rank, world_size, names):
     from pipelines.text2image.config import T2IConfig
     from common.nn.dit_parallel import parallelize_dit as parallelize
 
-    info = DistInfo(rank, world_size, rank, torch.device("cpu"), torch.float32)
+    info = DistInfo(rank, world_size, rank, torch.device("cpu"))
     out = {}
     for name in names:
         _, overrides = LAYOUTS[name]

@@ -186,7 +186,7 @@ def _worker(rank: int, world_size: int, port: int, args, cases, queue) -> None:
     torch.set_num_threads(args.threads)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        info = DistInfo(rank, world_size, rank, torch.device("cpu"), torch.float32)
+        info = DistInfo(rank, world_size, rank, torch.device("cpu"))
         if args.comm_free == "prompt":
             prompt_comm_frees()
         mesh_cache: dict = {}

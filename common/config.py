@@ -89,7 +89,8 @@ class TrainConfig:
     ema_decay: float = doc(0.999, "EMA decay of the weights used for sampling (0: no EMA)")
     ema_warmup: bool = doc(True, "use min(decay, (1+step)/(10+step)) so early EMA is not stuck at init")
     max_bad_steps: int = doc(5, "consecutive non-finite losses/gradients that stop the run")
-    peak_flops: float = doc(0.0, "device peak FLOP/s for MFU (0: measure an fp32 matmul at start on CPU)")
+    peak_flops: float = doc(0.0, "per-device peak FLOP/s for MFU (0: the published dense peak of the compute dtype "
+                                 "for a known GPU, else a large matmul measured at start)")
     progress: bool = doc(True, "console progress bar with ETA")
     stop_after: int = doc(0, "stop (without final save) after this step; tests use it to simulate a kill")
 
@@ -114,6 +115,21 @@ class ParallelConfig:
     activation_checkpoint: str = doc("none", "none | full | selective (every ac_every-th block) | offload (saved activations to CPU)")
     ac_every: int = doc(2, "selective activation checkpointing: recompute every k-th block")
     compile: bool = doc(False, "torch.compile each block (inductor; needs a C++ compiler on CPU)")
+
+
+@dataclass
+class PrecisionConfig:
+    compute: str = doc("auto", "auto | fp32 | bf16: dtype of matmuls and activations; auto = bf16 on CUDA, fp32 on "
+                               "CPU (no bf16 units there). Master weights and optimizer state stay fp32")
+    reduce: str = doc("fp32", "fp32 | bf16: dtype of the data-parallel gradient reduction")
+    fp8: str = doc("none", "none | tensorwise | rowwise: FP8 training of the linears (torchao); a linear stays in "
+                           "the compute dtype where the roofline predicts FP8 slower (its rows, K, N)")
+    fp8_all_gather: bool = doc(True, "fp8=tensorwise under FSDP: all-gather weights in float8 (half of bf16's bytes)")
+    int8: bool = doc(False, "int8 mixed precision for the linears: row-wise dynamic int8 forward and input-grad "
+                            "matmuls, weight-grad in the compute dtype")
+    roofline: str = doc("auto", "device whose roofline picks the linears to convert: auto (the GPU in use; h100-sxm "
+                                "on CPU) | h100-sxm | h200-sxm | a100-sxm | none (convert every linear with "
+                                "K, N multiples of 16: numerics studies)")
 
 
 @dataclass
@@ -179,6 +195,7 @@ class RunSections:
     optim: OptimConfig = doc(factory=OptimConfig, help="AdamW and LR schedule")
     train: TrainConfig = doc(factory=TrainConfig, help="loop length, logging, checkpoints, EMA")
     parallel: ParallelConfig = doc(factory=ParallelConfig, help="the parallel layout")
+    precision: PrecisionConfig = doc(factory=PrecisionConfig, help="dtypes, fp8 / int8 training")
 
 
 @dataclass
@@ -211,10 +228,17 @@ def check_run_config(cfg, positive: dict, choices: dict) -> None:
             raise ConfigError(f"{key}={value} must be > 0")
     if cfg.data.num_workers < 0:
         raise ConfigError(f"data.num_workers={cfg.data.num_workers} must be >= 0")
-    choices = {"optim.schedule": (cfg.optim.schedule, ("cosine", "constant")), **choices}
+    choices = {"optim.schedule": (cfg.optim.schedule, ("cosine", "constant")),
+               "precision.compute": (cfg.precision.compute, ("auto", "fp32", "bf16")),
+               "precision.reduce": (cfg.precision.reduce, ("fp32", "bf16")),
+               "precision.fp8": (cfg.precision.fp8, ("none", "tensorwise", "rowwise")),
+               "precision.roofline": (cfg.precision.roofline, ("auto", "h100-sxm", "h200-sxm", "a100-sxm", "none")),
+               **choices}
     for key, (value, allowed) in choices.items():
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+    if cfg.precision.fp8 != "none" and cfg.precision.int8:
+        raise ConfigError("precision.fp8 and precision.int8 both set; pick one low-precision recipe")
 
 
 # --------------------------------------------------------------------------- loading

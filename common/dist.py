@@ -1,8 +1,9 @@
 """torch.distributed set-up and the device / dtype policy.
 
 The same entrypoint runs under plain `python` (world size 1, no process group) and under
-`torchrun` (gloo on CPU, nccl on CUDA). CPU computes in fp32: the CPUs we run on have no bf16
-units, so bf16 would be ~75x slower there. CUDA computes in bf16 with fp32 master weights.
+`torchrun` (gloo on CPU, nccl on CUDA). The dtypes come from one PrecisionPolicy
+(common/precision/policy.py): by default fp32 on CPU, whose cores have no bf16 units (bf16 ~75x
+slower), and bf16 compute with fp32 master weights and fp32 reduction on CUDA, in every layout.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from common.precision.policy import PrecisionPolicy, default_policy, resolve_policy
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -21,7 +24,11 @@ class DistInfo:
     world_size: int
     local_rank: int
     device: torch.device
-    compute_dtype: torch.dtype
+    precision: PrecisionPolicy = PrecisionPolicy()
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.precision.compute_dtype
 
     @property
     def is_main(self) -> bool:
@@ -32,12 +39,9 @@ class DistInfo:
         return self.world_size > 1
 
 
-def compute_dtype_for(device: torch.device) -> torch.dtype:
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
-def init_distributed(device: str = "auto") -> DistInfo:
-    """Initialise the process group when launched by torchrun; idempotent."""
+def init_distributed(device: str = "auto", precision=None) -> DistInfo:
+    """Initialise the process group when launched by torchrun; idempotent. precision: a
+    PrecisionConfig (None: the device's default policy)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -49,7 +53,8 @@ def init_distributed(device: str = "auto") -> DistInfo:
         dev = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if use_cuda else "gloo")
-    return DistInfo(rank, world_size, local_rank, dev, compute_dtype_for(dev))
+    policy = default_policy(dev) if precision is None else resolve_policy(precision, dev)
+    return DistInfo(rank, world_size, local_rank, dev, policy)
 
 
 def teardown() -> None:

@@ -1,5 +1,9 @@
 """Throughput, MFU and the three log sinks: console progress bar, TensorBoard, metrics.jsonl.
 
+MFU divides achieved model FLOP/s by the dense peak of the dtype the matmuls run in: the published
+figure on a known GPU (common/precision/hardware.py), a measured large matmul on CPU. `mfu_matmul`
+is the same work over that measured matmul on every device.
+
 metrics.jsonl is the machine-readable record that tests and benchmarks read: one JSON object per
 logged step (plus event lines such as resumes), appended and flushed line by line so a killed run
 keeps everything it logged.
@@ -9,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -29,6 +34,52 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.float32
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t0)
     return 2.0 * n**3 / best
+
+
+_MEASURED: dict[tuple, float] = {}
+
+
+def measured_matmul_peak(device: torch.device, dtype: torch.dtype) -> float:
+    """measure_matmul_peak once per process and device/dtype. Under torchrun the ranks take turns
+    (rank r measures after r barriers): ranks sharing a CPU measuring at the same instant would
+    each see a fraction of the cores and report a peak that is too low."""
+    key = (device.type, device.index, dtype)
+    if key not in _MEASURED:
+        n = 1024 if device.type == "cpu" else 8192
+        dist = torch.distributed
+        ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if ranks > 1 and device.type == "cpu":
+            for turn in range(ranks):
+                if turn == dist.get_rank():
+                    _MEASURED[key] = measure_matmul_peak(device, dtype, n=n)
+                dist.barrier()
+        else:
+            _MEASURED[key] = measure_matmul_peak(device, dtype, n=n)
+    return _MEASURED[key]
+
+
+@dataclass(frozen=True)
+class Peak:
+    """What MFU divides by: `flops` per rank and where the number comes from."""
+    flops: float
+    source: str  # "published h200-sxm bf16", "measured fp32 matmul (2 threads)", "train.peak_flops"
+    matmul_flops: float = 0.0  # a measured large matmul in the compute dtype (0: not measured)
+
+
+def resolve_peak(device: torch.device, compute_dtype: torch.dtype, override: float = 0.0) -> Peak:
+    """The dense peak of the compute dtype: the published figure for a known GPU (never a bf16
+    peak for an fp32 run), a measured matmul on CPU or an unknown GPU, or train.peak_flops."""
+    from common.precision.hardware import detect, dtype_name
+    measured = measured_matmul_peak(device, compute_dtype)
+    if override > 0:
+        return Peak(override, "train.peak_flops", measured)
+    spec = detect(device)
+    if spec is not None:
+        key = dtype_name(compute_dtype)
+        return Peak(spec.peak(key), f"published {spec.name} {key}", measured)
+    name = str(compute_dtype).removeprefix("torch.")
+    threads = f" ({torch.get_num_threads()} threads)" if device.type == "cpu" else ""
+    return Peak(measured, f"measured {name} matmul{threads}", measured)
 
 
 def memory_stats(device: torch.device) -> dict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -33,7 +34,7 @@ def train(spec: PipelineSpec, argv=None, cfg=None) -> int:
     """argv: the command line; or cfg, an already parsed and validated config (staged runs)."""
     if cfg is None:
         cfg = parse_cli(spec.config, argv, prog(spec, "train"), spec.description)
-    info = mdist.init_distributed()
+    info = mdist.init_distributed(precision=cfg.precision)
     mdist.seed_everything(cfg.run.seed, info.rank)
     torch.use_deterministic_algorithms(True, warn_only=True)
     comp = spec.build(cfg)
@@ -42,6 +43,7 @@ def train(spec: PipelineSpec, argv=None, cfg=None) -> int:
     comp.to(info.device)
     prepare, criterion = spec.step_fns(comp, info.device)
     n_params = sum(p.numel() for p in comp.model.parameters())  # before sharding: the whole model
+    lowp = convert_low_precision(spec, comp, cfg, info, prepare)  # before sharding: FSDP gathers fp8 weights
     pm = spec.parallelize(comp.model, cfg.parallel, info, microbatches=cfg.train.grad_accum, criterion=criterion,
                           name=spec.name)
     loader = StreamingLoader.from_config(cfg.data, spec.decoder(comp), dp_rank=pm.dp_rank, dp_size=pm.dp_size,
@@ -53,7 +55,10 @@ def train(spec: PipelineSpec, argv=None, cfg=None) -> int:
         if cfg.data.eval_shards and cfg.sample.num and spec.sample_hook is None else []
     if info.is_main:
         print(f"{spec.name}: {spec.describe(comp)}, {n_params / 1e6:.2f}M params, {loader.num_samples} training "
-              f"samples, world size {info.world_size} [{pm.dims.describe}], device {info.device}", flush=True)
+              f"samples, world size {info.world_size} [{pm.dims.describe}], device {info.device}, "
+              f"{info.precision.describe()}", flush=True)
+        if lowp.report is not None:
+            print(lowp.report.summary(), flush=True)
 
     def sample_fn(model_for_sampling, step: int) -> None:
         if spec.sample_hook is not None:
@@ -73,13 +78,48 @@ def train(spec: PipelineSpec, argv=None, cfg=None) -> int:
 
     flops_fn = (lambda inputs: spec.flops(comp, inputs)) if spec.flops else None
     trainer = Trainer(cfg, info, pm, prepare, criterion, loader, signature=spec.signature(comp),
-                      frozen=comp.frozen, sample_fn=sample_fn, flops_fn=flops_fn)
+                      frozen=comp.frozen, sample_fn=sample_fn, flops_fn=flops_fn,
+                      after_optimizer_step=lowp.after_optimizer_step)
     summary = trainer.fit()
     if info.is_main:
         print(f"done: step {summary['step']}, skipped steps {summary['skipped_steps']}, "
               f"corrupt samples {summary['corrupt_samples']}; run dir {cfg.run.dir}", flush=True)
     mdist.teardown()
     return 0
+
+
+@dataclass
+class LowPrecision:
+    report: object = None  # common.precision.convert.LowPrecisionReport
+    after_optimizer_step: list = field(default_factory=list)
+
+
+def convert_low_precision(spec: PipelineSpec, comp, cfg, info, prepare) -> LowPrecision:
+    """precision.fp8 / precision.int8: swap the model's linears before parallelizing. Which ones is
+    decided per layer from the rows (tokens) each linear sees in one probe forward of a first
+    micro-batch, its K and N, and the roofline of precision.roofline's device."""
+    pc = cfg.precision
+    if pc.fp8 == "none" and not pc.int8:
+        return LowPrecision()
+    from common.parallel.dims import ParallelDims
+    from common.precision.convert import record_linear_rows
+    from common.precision.hardware import DEVICES, detect
+    probe = StreamingLoader.from_config(cfg.data, spec.decoder(comp), dp_rank=0, dp_size=1, seed=cfg.run.seed,
+                                        tokens=spec.bucket_tokens(comp) if spec.bucket_tokens else None,
+                                        collate=spec.collate(comp) if spec.collate else None)
+    inputs, _ = prepare(next(iter(probe)))
+    rows = record_linear_rows(comp.model, lambda: comp.model(*inputs))
+    force = pc.roofline == "none"
+    device_spec = None if force else (DEVICES[pc.roofline] if pc.roofline != "auto"
+                                      else detect(info.device) or DEVICES["h100-sxm"])
+    if pc.int8:
+        from common.precision.int8 import convert_int8
+        return LowPrecision(convert_int8(comp.model, rows=rows, spec=device_spec, force=force))
+    from common.precision.fp8 import convert_fp8, fp8_after_optimizer_step
+    dims = ParallelDims.from_config(cfg.parallel, info.world_size)
+    all_gather = pc.fp8 == "tensorwise" and pc.fp8_all_gather and dims.dp_mode == "fsdp" and info.world_size > 1
+    report = convert_fp8(comp.model, pc.fp8, rows=rows, spec=device_spec, fsdp_all_gather=all_gather, force=force)
+    return LowPrecision(report, [lambda: fp8_after_optimizer_step(comp.model)] if all_gather else [])
 
 
 # --------------------------------------------------------------------------- inference

@@ -25,7 +25,7 @@ from common import dist as mdist
 from common.checkpoint import CheckpointManager, latest_complete
 from common.config import to_yaml
 from common.ema import EMA
-from common.metrics import MetricsLogger, measure_matmul_peak, memory_stats
+from common.metrics import MetricsLogger, memory_stats, resolve_peak
 from common.optim import build_optimizer, lr_at
 from common.parallel.grads import clip_grads
 from common.parallel.parallel_model import ParallelModel
@@ -41,14 +41,21 @@ class Trainer:
                  loader, *, signature: dict[str, Any],
                  frozen: dict[str, torch.nn.Module] | None = None,
                  sample_fn: Callable[[torch.nn.Module, int], None] | None = None,
-                 flops_fn: Callable[[tuple], float] | None = None):
+                 flops_fn: Callable[[tuple], float] | None = None,
+                 after_optimizer_step: list[Callable[[], None]] | None = None):
         """flops_fn(inputs) -> forward FLOPs of one prepared micro-batch (its own shape and size:
-        with buckets neither is fixed); None: no MFU."""
+        with buckets neither is fixed); None: no MFU. after_optimizer_step: called after each
+        applied update (e.g. fp8 scales of the new weights for FSDP's float8 all-gather)."""
         self.cfg, self.info, self.pm = cfg, info, pm
         self.model = model = pm.module
         self.prepare, self.criterion = prepare, criterion
         self.loader, self.sample_fn = loader, sample_fn
         self.flops_fn = flops_fn
+        self.after_optimizer_step = after_optimizer_step or []
+        # FSDP casts parameters itself (MixedPrecisionPolicy); every other layout autocasts.
+        from torch.distributed.fsdp import FSDPModule
+        fsdp = any(isinstance(m, FSDPModule) for m in model.modules())
+        self.autocast = lambda: info.precision.autocast(info.device, fsdp=fsdp)
         # Written to the run dir once the checkpoint signature check passed (fit), and into every
         # checkpoint: a mistaken relaunch with another model must not replace the run's config.
         self.config_yaml = to_yaml(cfg)
@@ -101,11 +108,6 @@ class Trainer:
         with ctx:
             self.sample_fn(self.pm.plain, self.step)
 
-    def _peak_flops(self) -> float:
-        if self.cfg.train.peak_flops > 0:
-            return self.cfg.train.peak_flops
-        n = 1024 if self.info.device.type == "cpu" else 8192
-        return measure_matmul_peak(self.info.device, self.info.compute_dtype, n=n)
 
     def _forward_backward(self, it) -> tuple[float, int, int, float]:
         """One optimizer step's gradients; returns (this rank's mean loss, corrupt samples read,
@@ -121,7 +123,8 @@ class Trainer:
             flops = sum(self.flops_fn(p[0]) for p in prepared) if self.flops_fn else 0.0
             inputs = tuple(torch.cat(parts) for parts in zip(*(p[0] for p in prepared)))
             target = torch.cat([p[1] for p in prepared])
-            loss = self.pm.pipeline.step(inputs, target)
+            with self.autocast():
+                loss = self.pm.pipeline.step(inputs, target)
             return (float(loss) if loss is not None else 0.0), corrupt, samples, flops
         loss_sum = torch.zeros((), dtype=torch.float64)
         ddp = isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
@@ -129,7 +132,8 @@ class Trainer:
             inputs, target = self.prepare(batch)  # one micro-batch's inputs alive at a time
             flops += self.flops_fn(inputs) if self.flops_fn else 0.0
             with self.model.no_sync() if ddp and micro < accum - 1 else contextlib.nullcontext():
-                loss = self.criterion(self.model(*inputs), target)
+                with self.autocast():
+                    loss = self.criterion(self.model(*inputs), target)
                 (loss / accum).backward()
             loss_sum += loss.detach().double().cpu()
         return float(loss_sum / accum), corrupt, samples, flops
@@ -144,7 +148,10 @@ class Trainer:
         if resumed_from:
             log.event(event="resume", step=self.step, checkpoint=resumed_from)
             log.message(f"resumed from {resumed_from} at step {self.step}")
-        peak = self._peak_flops() if self.flops_fn else 0.0
+        peak = resolve_peak(self.info.device, self.info.compute_dtype, tc.peak_flops) if self.flops_fn else None
+        if peak is not None:
+            log.event(event="peak", flops=peak.flops, source=peak.source, matmul_flops=peak.matmul_flops)
+            log.message(f"MFU against {peak.flops / 1e12:.3g} TFLOP/s per rank ({peak.source})")
         clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
         it = iter(self.loader)
         bad_in_row = 0
@@ -171,6 +178,8 @@ class Trainer:
                 grad_norm = clip_grads(self.params, clip, self.pm.ranks_per_stage)
                 if math.isfinite(step_loss) and math.isfinite(grad_norm):
                     self.optimizer.step()
+                    for hook in self.after_optimizer_step:
+                        hook()
                     if self.ema is not None:
                         self.ema.update(self.step)
                     bad_in_row = 0
@@ -197,8 +206,11 @@ class Trainer:
                                "epoch": getattr(self.loader, "epoch", 0), **memory_stats(self.info.device)}
                     if self.flops_fn:  # training ~ 3x the forward FLOPs
                         scalars["step_flops"] = 3.0 * step_flops
-                    if peak:
-                        scalars["mfu"] = 3.0 * window_flops / max(elapsed, 1e-9) / (peak * self.info.world_size)
+                    if peak is not None:
+                        achieved = 3.0 * window_flops / max(elapsed, 1e-9) / self.info.world_size
+                        scalars["mfu"] = achieved / peak.flops
+                        if peak.matmul_flops and peak.matmul_flops != peak.flops:
+                            scalars["mfu_matmul"] = achieved / peak.matmul_flops
                     log.log(self.step, scalars)
                     window_t0, window_samples, window_flops = time.perf_counter(), 0, 0.0
                 if tc.stop_after and self.step == tc.stop_after:

@@ -9,7 +9,7 @@ import torch
 from common.checkpoint import CheckpointError, CheckpointManager, latest_complete
 from common.dist import DistInfo
 
-INFO = DistInfo(0, 1, 0, torch.device("cpu"), torch.float32)
+INFO = DistInfo(0, 1, 0, torch.device("cpu"))
 
 
 def _model_opt(seed=0):

@@ -90,7 +90,7 @@ def _rank(rank, world_size):
     dims = ParallelDims.from_config(ParallelConfig(dp_mode="fsdp", dp_shard=world_size), world_size)
     mesh = dims.build_mesh("cpu")
     model = _model()
-    apply_fsdp(model, list(model.blocks), mesh, dims, torch.device("cpu"))
+    apply_fsdp(model, list(model.blocks), mesh, dims)
     opt = _step(model)
     return _count(model, opt)
 

@@ -72,7 +72,7 @@ def test_unsupported_combinations_fail_before_any_process_group(kw, words):
     from pipelines.text2image.model import DiT, dit_config
     from common.nn.dit_parallel import parallelize_dit as parallelize
     model = DiT(dit_config("tiny", hidden=32, depth=4, heads=4))
-    info = DistInfo(0, 4, 0, torch.device("cpu"), torch.float32)
+    info = DistInfo(0, 4, 0, torch.device("cpu"))
     with pytest.raises(ConfigError) as e:
         parallelize(model, ParallelConfig(**kw), info, microbatches=2)
     for w in words:

@@ -151,6 +151,6 @@ def test_toy_refuses_layouts_it_has_no_plan_for():
     from common.dist import DistInfo
     sys.path.insert(0, os.path.dirname(TOY))
     from toy_pipeline import SPEC, Denoiser
-    info = DistInfo(0, 2, 0, torch.device("cpu"), torch.float32)
+    info = DistInfo(0, 2, 0, torch.device("cpu"))
     with pytest.raises(ConfigError, match="parallel.tp=2 is not supported for toy"):
         SPEC.parallelize(Denoiser(8), ParallelConfig(tp=2), info, name=SPEC.name)

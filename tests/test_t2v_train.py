@@ -103,7 +103,7 @@ def _parallelize_error(*overrides: str, world_size: int) -> str:
     from pipelines.text2video.spec import SPEC
     cfg = build_config(T2VConfig, TINY_YAML, [*SMALL_MODEL, *overrides])
     comp = components.build(cfg)
-    info = DistInfo(0, world_size, 0, torch.device("cpu"), torch.float32)
+    info = DistInfo(0, world_size, 0, torch.device("cpu"))
     with pytest.raises(ConfigError) as e:
         SPEC.parallelize(comp.model, cfg.parallel, info, name=SPEC.name)
     return str(e.value)

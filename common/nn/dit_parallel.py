@@ -40,7 +40,7 @@ def parallelize_dit(model, cfg, info: DistInfo, *, microbatches: int = 1, criter
     apply_block_options(model.blocks, cfg)
     if dims.pp > 1:
         return _pipeline(model, dims, mesh, info, microbatches, criterion, grad_hooks)
-    module = apply_data_parallel(model, list(model.blocks), mesh, dims, info.device, cfg)
+    module = apply_data_parallel(model, list(model.blocks), mesh, dims, info, cfg)
     return ParallelModel(module, dims, mesh, grad_hooks=grad_hooks)
 
 

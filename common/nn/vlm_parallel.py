@@ -64,7 +64,7 @@ def parallelize_vlm(model, cfg, info: DistInfo, *, microbatches: int = 1, criter
     apply_block_options(lm.blocks, cfg)
     if dims.pp > 1:
         return _pipeline(model, dims, mesh, info, microbatches, criterion, grad_hooks)
-    _shard(model, mesh, dims, info.device, cfg)
+    _shard(model, mesh, dims, info.precision, cfg)
     return ParallelModel(model, dims, mesh, grad_hooks=grad_hooks)
 
 
@@ -78,15 +78,13 @@ def _vision_mesh(mesh, dims: ParallelDims):
     return sub._flatten("vision")  # DeviceMesh._flatten: how torch builds multi-dim sub-meshes itself
 
 
-def _shard(model, mesh, dims: ParallelDims, device, cfg) -> None:
+def _shard(model, mesh, dims: ParallelDims, precision, cfg) -> None:
     """fully_shard the vision tower (block by block), the projector and the LM (embedding, blocks,
     norm, head as units: the model calls them one by one, not through lm.forward), then the root."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
-    from common.parallel.data_parallel import fsdp_mesh
-    kw = {"reshard_after_forward": cfg.reshard_after_forward}
-    if device.type == "cuda":
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    from common.parallel.data_parallel import fsdp_kwargs, fsdp_mesh
+    kw = fsdp_kwargs(precision, reshard_after_forward=cfg.reshard_after_forward)
     vmesh = _vision_mesh(mesh, dims)
     if vmesh is not None:
         for block in vision_blocks(model.visual):

@@ -8,10 +8,11 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from common.parallel.dims import ParallelDims
+from common.precision.policy import PrecisionPolicy
 
 
 def apply_ddp(model: torch.nn.Module, mesh, device: torch.device) -> torch.nn.Module:
@@ -26,15 +27,25 @@ def fsdp_mesh(mesh, dims: ParallelDims):
     return mesh["dp_shard_cp"]
 
 
-def apply_fsdp(model: torch.nn.Module, units: Iterable[torch.nn.Module], mesh, dims: ParallelDims,
-               device: torch.device, *, reshard_after_forward: bool = True, cpu_offload: bool = False) -> torch.nn.Module:
-    """fully_shard each unit (usually a block), then the root (which picks up embeddings and the final layer)."""
-    kwargs = {"mesh": fsdp_mesh(mesh, dims), "reshard_after_forward": reshard_after_forward}
-    if device.type == "cuda":
-        # bf16 compute with fp32 master weights and fp32 gradient reduction (DESIGN: precision policy).
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+def fsdp_kwargs(precision: PrecisionPolicy | None, *, reshard_after_forward: bool = True,
+                cpu_offload: bool = False) -> dict:
+    """fully_shard options every sharded unit shares: the precision policy's MixedPrecisionPolicy
+    (compute-dtype parameters in forward/backward, reduce-dtype gradients, fp32 shards)."""
+    kwargs = {"reshard_after_forward": reshard_after_forward}
+    mp = precision.fsdp_mp_policy() if precision is not None else None
+    if mp is not None:
+        kwargs["mp_policy"] = mp
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
+    return kwargs
+
+
+def apply_fsdp(model: torch.nn.Module, units: Iterable[torch.nn.Module], mesh, dims: ParallelDims, *,
+               precision: PrecisionPolicy | None = None, reshard_after_forward: bool = True,
+               cpu_offload: bool = False) -> torch.nn.Module:
+    """fully_shard each unit (usually a block), then the root (which picks up embeddings and the final layer)."""
+    kwargs = {"mesh": fsdp_mesh(mesh, dims),
+              **fsdp_kwargs(precision, reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)}
     for unit in units:
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
@@ -42,14 +53,15 @@ def apply_fsdp(model: torch.nn.Module, units: Iterable[torch.nn.Module], mesh, d
 
 
 def apply_data_parallel(model: torch.nn.Module, units: Iterable[torch.nn.Module], mesh, dims: ParallelDims,
-                        device: torch.device, cfg) -> torch.nn.Module:
+                        info, cfg) -> torch.nn.Module:
     """dims.dp_mode applied: DDP, FSDP with `units` sharded one by one (then the root), or the
-    model itself. cfg: the ParallelConfig (reshard_after_forward, cpu_offload)."""
+    model itself. info: the DistInfo (device, precision policy); cfg: the ParallelConfig
+    (reshard_after_forward, cpu_offload)."""
     if dims.dp_mode == "ddp":
-        return apply_ddp(model, mesh, device)
+        return apply_ddp(model, mesh, info.device)
     if dims.dp_mode == "fsdp":
-        return apply_fsdp(model, units, mesh, dims, device, reshard_after_forward=cfg.reshard_after_forward,
-                          cpu_offload=cfg.cpu_offload)
+        return apply_fsdp(model, units, mesh, dims, precision=info.precision,
+                          reshard_after_forward=cfg.reshard_after_forward, cpu_offload=cfg.cpu_offload)
     return model
 
 

@@ -62,4 +62,4 @@ def parallelize_data_only(model: torch.nn.Module, cfg, info, *, microbatches: in
     no_plan = "the model has no plan for it (data parallelism only)"
     check_layout(dims, cfg, {"tp": no_plan, "cp": no_plan, "pp": no_plan}, name or type(model).__name__)
     mesh = dims.build_mesh(info.device.type) if info.world_size > 1 else None
-    return ParallelModel(apply_data_parallel(model, units, mesh, dims, info.device, cfg), dims, mesh)
+    return ParallelModel(apply_data_parallel(model, units, mesh, dims, info, cfg), dims, mesh)

@@ -1,0 +1,56 @@
+"""MFU says what it is measured against: the published dense peak of the compute dtype on a known
+GPU (never a bf16 peak for an fp32 run), a measured matmul on CPU, measured once per process."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common import metrics
+from common.precision import hardware
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    calls = []
+
+    def fake_measure(device, dtype, n=1024, reps=8):
+        calls.append((device.type, dtype))
+        return 123e12
+
+    monkeypatch.setattr(metrics, "measure_matmul_peak", fake_measure)
+    monkeypatch.setattr(metrics, "_MEASURED", {})
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    return calls
+
+
+def test_published_peak_follows_the_compute_dtype(fake_gpu):
+    cuda = torch.device("cuda", 0)
+    bf16 = metrics.resolve_peak(cuda, torch.bfloat16)
+    assert bf16.flops == hardware.DEVICES["h200-sxm"].peak("bf16") == 989.4e12
+    assert bf16.source == "published h200-sxm bf16" and bf16.matmul_flops == 123e12
+    fp32 = metrics.resolve_peak(cuda, torch.float32)
+    expected = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32"
+    assert fp32.source == f"published h200-sxm {expected}" and fp32.flops < bf16.flops
+    assert metrics.resolve_peak(cuda, torch.bfloat16, override=5e14).flops == 5e14
+
+
+def test_matmul_peak_measured_once_per_process(fake_gpu):
+    cpu = torch.device("cpu")
+    first = metrics.resolve_peak(cpu, torch.float32)
+    second = metrics.resolve_peak(cpu, torch.float32)
+    assert first.flops == second.flops == 123e12 and first.source.startswith("measured float32 matmul")
+    assert fake_gpu == [("cpu", torch.float32)]
+
+
+def test_unknown_gpu_falls_back_to_the_measured_matmul(fake_gpu, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
+    peak = metrics.resolve_peak(torch.device("cuda", 0), torch.bfloat16)
+    assert peak.flops == 123e12 and peak.source == "measured bfloat16 matmul"
+
+
+def test_device_table_names():
+    assert hardware.detect(torch.device("cpu")) is None
+    assert hardware.dtype_name(torch.float32, allow_tf32=False) == "fp32"
+    assert hardware.dtype_name(torch.bfloat16) == "bf16"
+    with pytest.raises(KeyError, match="a100-sxm: no published peak for fp8"):
+        hardware.DEVICES["a100-sxm"].peak("fp8")
