@@ -132,6 +132,16 @@ def test_toy_spec_trains_resumes_and_samples(vectors, tmp_path):
     assert grid.shape == (3, 8) and np.array_equal(grid[1], np.load(os.path.join(out, "00001.npy")))
 
 
+def test_one_process_asking_for_fsdp_gets_it(vectors, tmp_path):
+    """dp_mode=fsdp by name in one process (mixed precision or CPU offload on one GPU, a one-rank
+    smoke run) shards over a one-rank mesh and trains exactly as the plain process does."""
+    plain, fsdp = str(tmp_path / "plain"), str(tmp_path / "fsdp")
+    toy_train(plain, vectors, "train.steps=3")
+    proc = toy_train(fsdp, vectors, "train.steps=3", "parallel.dp_mode=fsdp")
+    assert "dp_mode=fsdp" in proc.stdout
+    assert losses(fsdp) == losses(plain)
+
+
 def test_relaunch_with_another_model_keeps_the_run_config(vectors, tmp_path):
     run = str(tmp_path / "run")
     toy_train(run, vectors, "train.steps=2")

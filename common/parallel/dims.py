@@ -123,9 +123,13 @@ class ParallelDims:
 
     # ------------------------------------------------------------------ mesh
     def build_mesh(self, device_type: str):
-        """The world DeviceMesh with named dims plus flattened dp, dp_shard_cp and dp_cp; None for one process."""
+        """The world DeviceMesh with named dims plus flattened dp, dp_shard_cp and dp_cp; None for one
+        process, unless it asked for DDP or FSDP by name (FSDP's mixed precision or CPU offload on one
+        GPU; a one-rank smoke test of the sharded path): that gets a one-process group and mesh."""
         if self.world_size == 1:
-            return None
+            if self.dp_mode == "none":
+                return None
+            _init_single_process_group(device_type)
         from torch.distributed.device_mesh import init_device_mesh
         shape = tuple(getattr(self, n) for n in MESH_DIMS)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
@@ -134,6 +138,13 @@ class ParallelDims:
         mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
         return mesh
+
+
+def _init_single_process_group(device_type: str) -> None:
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
 
 
 def _product_message(cfg, dp_shard: str, world_size: int, why: str) -> str:

@@ -61,5 +61,5 @@ def parallelize_data_only(model: torch.nn.Module, cfg, info, *, microbatches: in
     dims = ParallelDims.from_config(cfg, info.world_size)
     no_plan = "the model has no plan for it (data parallelism only)"
     check_layout(dims, cfg, {"tp": no_plan, "cp": no_plan, "pp": no_plan}, name or type(model).__name__)
-    mesh = dims.build_mesh(info.device.type) if info.world_size > 1 else None
+    mesh = dims.build_mesh(info.device.type)
     return ParallelModel(apply_data_parallel(model, units, mesh, dims, info, cfg), dims, mesh)
