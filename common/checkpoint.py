@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import time
 import warnings
 from typing import Any
@@ -114,6 +115,15 @@ def check_signature(path: str, signature: dict[str, Any]) -> dict:
     return meta
 
 
+def _plain(state: dict) -> dict:
+    """Tensor subclasses that only exist for a training recipe (torchao's fp8 all-gather weights)
+    replaced by the plain tensors they wrap: a checkpoint must load anywhere."""
+    if "torchao.float8" not in sys.modules:
+        return state
+    from common.precision.fp8 import plain_tensors
+    return plain_tensors(state)
+
+
 class CheckpointManager:
     """Save/resume of the whole training state; every rank calls every method."""
 
@@ -148,11 +158,11 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
         mdist.barrier()
-        state = {
+        state = _plain({
             "model": get_model_state_dict(model),
             "optim": get_optimizer_state_dict(model, optimizer),
             **tensors,
-        }
+        })
         _quiet_single_process(dcp.save, state, checkpoint_id=tmp)
         torch.save(mdist.rng_state(), os.path.join(tmp, f"rng_rank{self.info.rank}.pt"))
         mdist.barrier()
@@ -180,11 +190,11 @@ class CheckpointManager:
     def load(self, path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              tensors: dict[str, dict[str, torch.Tensor]]) -> dict:
         meta = self.check_signature(path)
-        state = {
+        state = _plain({
             "model": get_model_state_dict(model),
             "optim": get_optimizer_state_dict(model, optimizer),
             **tensors,
-        }
+        })
         try:
             _quiet_single_process(dcp.load, state, checkpoint_id=path)
         except Exception as e:

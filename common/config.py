@@ -127,6 +127,9 @@ class PrecisionConfig:
     fp8_all_gather: bool = doc(True, "fp8=tensorwise under FSDP: all-gather weights in float8 (half of bf16's bytes)")
     int8: bool = doc(False, "int8 mixed precision for the linears: row-wise dynamic int8 forward and input-grad "
                             "matmuls, weight-grad in the compute dtype")
+    convert: str = doc("blocks", "blocks: only linears inside the repeated transformer blocks (a 'blocks.N.' in the "
+                                 "name) are candidates; embeddings, conditioning MLPs and the output layer stay in the "
+                                 "compute dtype | all: every linear is a candidate")
     roofline: str = doc("auto", "device whose roofline picks the linears to convert: auto (the GPU in use; h100-sxm "
                                 "on CPU) | h100-sxm | h200-sxm | a100-sxm | none (convert every linear with "
                                 "K, N multiples of 16: numerics studies)")
@@ -232,6 +235,7 @@ def check_run_config(cfg, positive: dict, choices: dict) -> None:
                "precision.compute": (cfg.precision.compute, ("auto", "fp32", "bf16")),
                "precision.reduce": (cfg.precision.reduce, ("fp32", "bf16")),
                "precision.fp8": (cfg.precision.fp8, ("none", "tensorwise", "rowwise")),
+               "precision.convert": (cfg.precision.convert, ("blocks", "all")),
                "precision.roofline": (cfg.precision.roofline, ("auto", "h100-sxm", "h200-sxm", "a100-sxm", "none")),
                **choices}
     for key, (value, allowed) in choices.items():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -46,6 +47,9 @@ def train(spec: PipelineSpec, argv=None, cfg=None) -> int:
     lowp = convert_low_precision(spec, comp, cfg, info, prepare)  # before sharding: FSDP gathers fp8 weights
     pm = spec.parallelize(comp.model, cfg.parallel, info, microbatches=cfg.train.grad_accum, criterion=criterion,
                           name=spec.name)
+    if lowp.fp8_all_gather and info.device.type == "cpu":
+        from common.precision.fp8 import fp8_all_gather_over_gloo
+        fp8_all_gather_over_gloo(pm.plain)
     loader = StreamingLoader.from_config(cfg.data, spec.decoder(comp), dp_rank=pm.dp_rank, dp_size=pm.dp_size,
                                          seed=cfg.run.seed,
                                          tokens=spec.bucket_tokens(comp) if spec.bucket_tokens else None,
@@ -58,7 +62,7 @@ def train(spec: PipelineSpec, argv=None, cfg=None) -> int:
               f"samples, world size {info.world_size} [{pm.dims.describe}], device {info.device}, "
               f"{info.precision.describe()}", flush=True)
         if lowp.report is not None:
-            print(lowp.report.summary(), flush=True)
+            print(lowp.report.summary() + lowp.note, flush=True)
 
     def sample_fn(model_for_sampling, step: int) -> None:
         if spec.sample_hook is not None:
@@ -92,6 +96,8 @@ def train(spec: PipelineSpec, argv=None, cfg=None) -> int:
 class LowPrecision:
     report: object = None  # common.precision.convert.LowPrecisionReport
     after_optimizer_step: list = field(default_factory=list)
+    fp8_all_gather: bool = False
+    note: str = ""
 
 
 def convert_low_precision(spec: PipelineSpec, comp, cfg, info, prepare) -> LowPrecision:
@@ -103,23 +109,30 @@ def convert_low_precision(spec: PipelineSpec, comp, cfg, info, prepare) -> LowPr
         return LowPrecision()
     from common.parallel.dims import ParallelDims
     from common.precision.convert import record_linear_rows
-    from common.precision.hardware import DEVICES, detect
+    from common.precision.hardware import DEVICES
     probe = StreamingLoader.from_config(cfg.data, spec.decoder(comp), dp_rank=0, dp_size=1, seed=cfg.run.seed,
                                         tokens=spec.bucket_tokens(comp) if spec.bucket_tokens else None,
                                         collate=spec.collate(comp) if spec.collate else None)
     inputs, _ = prepare(next(iter(probe)))
     rows = record_linear_rows(comp.model, lambda: comp.model(*inputs))
+    exclude = () if pc.convert == "all" else tuple(
+        name for name, m in comp.model.named_modules()
+        if isinstance(m, torch.nn.Linear) and not re.search(r"(^|\.)blocks\.\d+\.", name))
     force = pc.roofline == "none"
-    device_spec = None if force else (DEVICES[pc.roofline] if pc.roofline != "auto"
-                                      else detect(info.device) or DEVICES["h100-sxm"])
+    device_spec = DEVICES.get(pc.roofline)  # auto: the model's GPU if known, else H100 SXM
     if pc.int8:
         from common.precision.int8 import convert_int8
-        return LowPrecision(convert_int8(comp.model, rows=rows, spec=device_spec, force=force))
+        return LowPrecision(convert_int8(comp.model, rows=rows, spec=device_spec, force=force, exclude=exclude))
     from common.precision.fp8 import convert_fp8, fp8_after_optimizer_step
     dims = ParallelDims.from_config(cfg.parallel, info.world_size)
     all_gather = pc.fp8 == "tensorwise" and pc.fp8_all_gather and dims.dp_mode == "fsdp" and info.world_size > 1
-    report = convert_fp8(comp.model, pc.fp8, rows=rows, spec=device_spec, fsdp_all_gather=all_gather, force=force)
-    return LowPrecision(report, [lambda: fp8_after_optimizer_step(comp.model)] if all_gather else [])
+    # torch._scaled_mm's CPU path for e4m3 x e4m3 with scalar scales runs at ~0.07 GFLOP/s (minutes
+    # per tiny step); emulation rounds the operands to fp8 the same way and multiplies in fp32.
+    emulate = info.device.type == "cpu"
+    report = convert_fp8(comp.model, pc.fp8, rows=rows, spec=device_spec, fsdp_all_gather=all_gather, force=force,
+                         emulate=emulate, exclude=exclude)
+    return LowPrecision(report, [lambda: fp8_after_optimizer_step(comp.model)] if all_gather else [], all_gather,
+                        " (fp8 GEMMs emulated on CPU)" if emulate else "")
 
 
 # --------------------------------------------------------------------------- inference

@@ -92,7 +92,8 @@ def _run(layout: str, compute: str, tmp_path) -> list[dict]:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=[] if name == "single" else [pytest.mark.slow])
+                                    for name in LAYOUTS])
 def test_bf16_policy_applied_in_every_layout(layout, tmp_path):
     results = _run(layout, "bf16", tmp_path)
     for rank, r in enumerate(results):
@@ -105,7 +106,7 @@ def test_bf16_policy_applied_in_every_layout(layout, tmp_path):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("layout", ["single", "fsdp"])
+@pytest.mark.parametrize("layout", ["single", pytest.param("fsdp", marks=pytest.mark.slow)])
 def test_fp32_policy_is_the_control(layout, tmp_path):
     for r in _run(layout, "fp32", tmp_path):
         assert r["act"] == ["torch.float32"] and r["act_grad"] == ["torch.float32"], r
