@@ -11,11 +11,13 @@ flushed between runs), then
                      paths recompute the logits: 8*T*D*V executed) and peak memory of one
                      forward+backward (torch.cuda.max_memory_allocated above the inputs) vs eager;
 and the speed ratio to the reference implementation of the op (SDPA for attention, the torch
-dispatch path for the rest, eager for cross-entropy). `auto_triton` in the JSON says, per op,
+dispatch path for the rest, eager for cross-entropy); attention rows also carry the ratio to SDPA
+pinned to its flash backend (`sdpa_flash`, FlashAttention-2 inside torch; `sdpa_cudnn` too in the
+full set). `auto_triton` in the JSON says, per op,
 whether Triton beat the reference at every measured size: what AUTO_TRITON_OPS
 (common/kernels/backend.py) should contain on this device.
 
-  python bench/kernels.py [--quick] [--ops attention,norm,norm_modulate,rope,swiglu,cross_entropy]
+  python bench/kernels.py [--quick | --check] [--ops attention,norm,norm_modulate,rope,swiglu,cross_entropy]
                           [--out bench/results/kernels.json] [--time-budget SECONDS]
 """
 from __future__ import annotations
@@ -35,10 +37,15 @@ OPS = ("norm", "norm_modulate", "rope", "swiglu", "cross_entropy", "attention")
 # flows to the ones after it.
 WEIGHTS = {"norm": 1, "norm_modulate": 1, "rope": 1, "swiglu": 1, "cross_entropy": 2, "attention": 4}
 REFERENCE = {"attention": "torch", "cross_entropy": "eager"}  # others: "torch"
+# Further impls every row of an op is also compared with (a speedup_vs_<name> column each).
+EXTRA_REFS = {"attention": ("sdpa_flash",)}
 FULL = {"tokens": (16384, 32768, 65536), "d": 4096, "ce_tokens": (8192, 16384), "vocab": 128256,
         "attn_seqs": (1024, 2048, 4096, 8192, 16384), "attn_tokens": 16384, "attn_width": 2048,
         "head_dims": (64, 128), "rope_heads": 32, "batch": 8}
 QUICK = dict(FULL, tokens=(16384,), ce_tokens=(8192,), attn_seqs=(2048, 8192))
+# --check: what bench/gpu_check.sh runs in its ~2 minutes: attention at head dim 128 over L 1k-16k
+# (fwd and fwd+bwd, causal and not), the memory-bound ops at two sizes, cross-entropy at a 128k vocab.
+CHECK = dict(FULL, tokens=(16384, 65536), ce_tokens=(8192,), head_dims=(128,), sdpa_cudnn=False)
 # --smoke-cpu: the script's own check on a machine without a GPU (torch impls only; numbers meaningless)
 SMOKE = {"tokens": (64,), "d": 48, "ce_tokens": (37,), "vocab": 1000, "attn_seqs": (16,), "attn_tokens": 32,
          "attn_width": 64, "head_dims": (16, 32), "rope_heads": 2, "batch": 2}
@@ -47,6 +54,8 @@ SMOKE = {"tokens": (64,), "d": 48, "ce_tokens": (37,), "vocab": 1000, "attn_seqs
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer sizes (a few minutes on an H100/H200)")
+    ap.add_argument("--check", action="store_true",
+                    help="the sizes bench/gpu_check.sh measures (d=128 attention at L 1k-16k; ~2 minutes)")
     ap.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "kernels.json"))
     ap.add_argument("--time-budget", type=float, default=None,
@@ -141,8 +150,10 @@ class Bench:
                     gbps = nbytes / (ms * 1e-3) / 1e9
                     row["gbps"] = round(gbps, 1)
                     row["frac_copy_bw"] = round(gbps / self.copy_gbps, 3)
-                if ref in results and name != ref:
-                    row["speedup_vs_" + ref] = round((results[ref][0] if pass_ == "fwd" else results[ref][1]) / ms, 3)
+                for other in (ref, *EXTRA_REFS.get(op.split(":")[0], ())):
+                    if other in results and name != other:
+                        base = results[other][0] if pass_ == "fwd" else results[other][1]
+                        row["speedup_vs_" + other] = round(base / ms, 3)
                 if peak is not None and pass_ == "fwd+bwd":
                     row["peak_gib"] = round(peak, 3)
                     if ref in results and results[ref][2]:
@@ -264,8 +275,28 @@ def bench_attention(b: Bench, cfg: dict):
                 f = 4 * bsz * h * seq * seq * dh / (2 if causal else 1)
                 impls = {name: (lambda q, k, v, name=name, causal=causal: attention(q, k, v, causal=causal, backend=name))
                          for name in ("triton", "torch", "flash_attn")}
+                # SDPA pinned to one backend (an impl that cannot serve the call is reported as skipped)
+                for name, sdpa_backend in sdpa_backends(cfg):
+                    impls[name] = (lambda q, k, v, bk=sdpa_backend, causal=causal: pinned_sdpa(q, k, v, causal, bk))
                 b.case("attention:causal" if causal else "attention", (bsz, h, seq, dh), impls, make=mk,
                        flops_fwd=f, flops_fb=3.5 * f)
+
+
+def sdpa_backends(cfg: dict) -> list[tuple[str, object]]:
+    from torch.nn.attention import SDPBackend
+    out = [("sdpa_flash", SDPBackend.FLASH_ATTENTION)]
+    if cfg.get("sdpa_cudnn", True) and hasattr(SDPBackend, "CUDNN_ATTENTION"):
+        out.append(("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION))
+    return out
+
+
+def pinned_sdpa(q, k, v, causal: bool, backend):
+    """SDPA restricted to one backend (the backward is that backend's too: autograd records the op
+    the forward dispatched to)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+    with sdpa_kernel(backend):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
 def auto_triton(rows) -> dict:
@@ -274,8 +305,8 @@ def auto_triton(rows) -> dict:
     for r in rows:
         if r["impl"] != "triton" or r["pass"] != "fwd+bwd":
             continue
-        key = next((k for k in r if k.startswith("speedup_vs_")), None)
-        if key is None:
+        key = "speedup_vs_" + REFERENCE.get(r["op"].split(":")[0], "torch")
+        if key not in r:
             continue
         op = r["op"].split(":")[0]
         out[op] = out.get(op, True) and r[key] > 1.0
@@ -283,12 +314,14 @@ def auto_triton(rows) -> dict:
 
 
 def print_table(b: Bench):
-    cols = ["op", "shape", "impl", "pass", "ms", "tflops", "gbps", "frac_copy_bw", "speedup", "peak_gib", "mem_vs"]
+    cols = ["op", "shape", "impl", "pass", "ms", "tflops", "gbps", "frac_copy_bw", "speedup", "vs_sdpa_flash",
+            "peak_gib", "mem_vs"]
     lines = [cols]
     for r in b.rows:
-        sp = next((v for k, v in r.items() if k.startswith("speedup_vs_")), "")
+        sp = r.get("speedup_vs_" + REFERENCE.get(r["op"].split(":")[0], "torch"), "")
         mv = next((v for k, v in r.items() if k.startswith("mem_vs_")), "")
-        lines.append([str(r.get(c, "")) for c in cols[:8]] + [str(sp), str(r.get("peak_gib", "")), str(mv)])
+        lines.append([str(r.get(c, "")) for c in cols[:8]]
+                     + [str(sp), str(r.get("speedup_vs_sdpa_flash", "")), str(r.get("peak_gib", "")), str(mv)])
     widths = [max(len(ln[i]) for ln in lines) for i in range(len(cols))]
     for ln in lines:
         print("  ".join(s.ljust(w) for s, w in zip(ln, widths)))
@@ -311,7 +344,7 @@ def main() -> int:
     t0 = time.monotonic()
     b = Bench(args)
     device_name = torch.cuda.get_device_name() if b.cuda else "cpu (smoke run)"
-    cfg = SMOKE if args.smoke_cpu else QUICK if args.quick else FULL
+    cfg = SMOKE if args.smoke_cpu else CHECK if args.check else QUICK if args.quick else FULL
     print(f"{device_name}: copy bandwidth {b.copy_gbps:.0f} GB/s", flush=True)
     fns = {"attention": bench_attention, "norm": bench_norm, "norm_modulate": bench_norm_modulate,
            "rope": bench_rope, "swiglu": bench_swiglu, "cross_entropy": bench_cross_entropy}
@@ -319,7 +352,7 @@ def main() -> int:
 
     def write(complete: bool) -> dict:
         result = {"device": device_name, "torch": torch.__version__, "triton": triton.__version__,
-                  "quick": args.quick, "complete": complete, "copy_bandwidth_gbps": round(b.copy_gbps, 1),
+                  "quick": args.quick, "check": args.check, "complete": complete, "copy_bandwidth_gbps": round(b.copy_gbps, 1),
                   "seconds": round(time.monotonic() - t0, 1), "auto_triton": auto_triton(b.rows),
                   "rows": b.rows, "skipped": b.skipped,
                   "notes": {"attention_flops": "4*B*H*L*L*D fwd (/2 causal); fwd+bwd = 3.5x fwd",
