@@ -47,13 +47,10 @@ def train(spec: PipelineSpec, argv=None, cfg=None) -> int:
     lowp = convert_low_precision(spec, comp, cfg, info, prepare)  # before sharding: FSDP gathers fp8 weights
     pm = spec.parallelize(comp.model, cfg.parallel, info, microbatches=cfg.train.grad_accum, criterion=criterion,
                           name=spec.name)
-    if lowp.fp8_all_gather and info.device.type == "cpu":
+    if lowp.fp8_all_gather:
         from common.precision.fp8 import fp8_all_gather_over_gloo
-        fp8_all_gather_over_gloo(pm.plain)
-    loader = StreamingLoader.from_config(cfg.data, spec.decoder(comp), dp_rank=pm.dp_rank, dp_size=pm.dp_size,
-                                         seed=cfg.run.seed,
-                                         tokens=spec.bucket_tokens(comp) if spec.bucket_tokens else None,
-                                         collate=spec.collate(comp) if spec.collate else None)
+        fp8_all_gather_over_gloo(pm.plain)  # a no-op unless the process group is gloo
+    loader = make_loader(spec, comp, cfg, dp_rank=pm.dp_rank, dp_size=pm.dp_size)
     # Sample grids show the first held-out captions (e.g. compositions never seen in training).
     prompts = [c for c, _ in first_examples(cfg.data.eval_shards, cfg.sample.num)] \
         if cfg.data.eval_shards and cfg.sample.num and spec.sample_hook is None else []
@@ -92,6 +89,14 @@ def train(spec: PipelineSpec, argv=None, cfg=None) -> int:
     return 0
 
 
+def make_loader(spec: PipelineSpec, comp, cfg, *, dp_rank: int, dp_size: int) -> StreamingLoader:
+    """The training loader of data-parallel rank `dp_rank` of `dp_size`."""
+    return StreamingLoader.from_config(cfg.data, spec.decoder(comp), dp_rank=dp_rank, dp_size=dp_size,
+                                       seed=cfg.run.seed,
+                                       tokens=spec.bucket_tokens(comp) if spec.bucket_tokens else None,
+                                       collate=spec.collate(comp) if spec.collate else None)
+
+
 @dataclass
 class LowPrecision:
     report: object = None  # common.precision.convert.LowPrecisionReport
@@ -110,10 +115,7 @@ def convert_low_precision(spec: PipelineSpec, comp, cfg, info, prepare) -> LowPr
     from common.parallel.dims import ParallelDims
     from common.precision.convert import record_linear_rows
     from common.precision.hardware import DEVICES
-    probe = StreamingLoader.from_config(cfg.data, spec.decoder(comp), dp_rank=0, dp_size=1, seed=cfg.run.seed,
-                                        tokens=spec.bucket_tokens(comp) if spec.bucket_tokens else None,
-                                        collate=spec.collate(comp) if spec.collate else None)
-    inputs, _ = prepare(next(iter(probe)))
+    inputs, _ = prepare(next(iter(make_loader(spec, comp, cfg, dp_rank=0, dp_size=1))))
     rows = record_linear_rows(comp.model, lambda: comp.model(*inputs))
     exclude = () if pc.convert == "all" else tuple(
         name for name, m in comp.model.named_modules()

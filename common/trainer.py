@@ -108,7 +108,6 @@ class Trainer:
         with ctx:
             self.sample_fn(self.pm.plain, self.step)
 
-
     def _forward_backward(self, it) -> tuple[float, int, int, float]:
         """One optimizer step's gradients; returns (this rank's mean loss, corrupt samples read,
         samples trained, forward FLOPs of those samples)."""
