@@ -24,6 +24,8 @@ def test_dp_shard_fills_the_world_and_modes_resolve():
     h = dims(4, cp=4, cp_mode="hybrid", cp_ulysses=2)
     assert (h.cp_ulysses, h.dp_mode) == (2, "fsdp")
     assert dims(2, pp=2, pp_schedule="interleaved").pp_stages_per_rank == 2
+    assert dims(4, pp=2, dp_mode="ddp").dp_mode == "ddp"  # each stage replicated over dp=2
+    assert dims(4, pp=2).dp_mode == "fsdp"  # auto: stages sharded over dp=2
 
 
 @pytest.mark.parametrize("world,kw,words", [
@@ -61,9 +63,7 @@ def test_model_dependent_checks(world, kw, model, words):
 
 
 @pytest.mark.parametrize("kw,words", [
-    (dict(pp=2, cp=2), ["pp=2", "cp=2", "not supported"]),
-    (dict(pp=2, dp_shard=2), ["pp=2", "dp=2", "not supported"]),
-    (dict(cp=2, tp=2), ["cp=2", "tp=2", "not supported"]),
+    (dict(pp=2, dp_shard=2, cpu_offload=True), ["cpu_offload=true", "pp=2", "not supported"]),
 ])
 def test_unsupported_combinations_fail_before_any_process_group(kw, words):
     """The combination check runs before the mesh is built, so it needs no processes."""
@@ -77,6 +77,18 @@ def test_unsupported_combinations_fail_before_any_process_group(kw, words):
         parallelize(model, ParallelConfig(**kw), info, microbatches=2)
     for w in words:
         assert w in str(e.value), (w, str(e.value))
+
+
+@pytest.mark.parametrize("world,kw", [
+    (4, dict(pp=2, dp_shard=2)), (4, dict(pp=2, dp_mode="ddp")), (4, dict(pp=2, cp=2)), (4, dict(cp=2, tp=2)),
+    (2, dict(pp=2, compile=True)), (16, dict(pp=2, dp_shard=2, cp=2, tp=2)),
+])
+def test_composed_layouts_are_accepted(world, kw):
+    """Once refused, now built and proved in tests/test_parallel_grid.py."""
+    from common.parallel.layouts import not_built
+    cfg = ParallelConfig(**kw)
+    d = ParallelDims.from_config(cfg, world)
+    assert not_built(d, cfg.compile, cfg.cpu_offload) is None
 
 
 def test_stage_placement():

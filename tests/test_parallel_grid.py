@@ -13,6 +13,9 @@ skipped sample would change the loss).
 """
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 import torch
 
@@ -46,11 +49,28 @@ LAYOUTS = {
     "fsdp2xtp2": (4, ["data.micro_batch_size=4", "parallel.dp_shard=2", "parallel.tp=2"]),
     "fsdp2xcp2": (4, ["data.micro_batch_size=4", "parallel.dp_shard=2", "parallel.cp=2", "parallel.cp_mode=ring"]),
     "tp2xpp2": (4, ["data.micro_batch_size=4", "train.grad_accum=2", "parallel.tp=2", "parallel.pp=2"]),
+    # Compositions (common/parallel/layouts.py): data parallelism inside pipeline stages, CP x TP.
+    "pp2xfsdp2": (4, ["data.micro_batch_size=2", "train.grad_accum=2", "parallel.pp=2", "parallel.dp_shard=2"]),
+    "pp2xfsdp2-zero2-interleaved": (4, ["data.micro_batch_size=2", "train.grad_accum=2", "parallel.pp=2",
+                                        "parallel.dp_shard=2", "parallel.reshard_after_forward=false",
+                                        "parallel.pp_schedule=interleaved"]),
+    "pp2xddp2": (4, ["data.micro_batch_size=2", "train.grad_accum=2", "parallel.pp=2", "parallel.dp_mode=ddp"]),
+    "pp2xcp2": (4, ["data.micro_batch_size=4", "train.grad_accum=2", "parallel.pp=2", "parallel.cp=2",
+                    "parallel.cp_mode=ring"]),
+    "cp2xtp2": (4, ["data.micro_batch_size=8", "parallel.cp=2", "parallel.cp_mode=ring", "parallel.tp=2",
+                   "parallel.sequence_parallel=false"]),
+    "cp2xtp2-sp": (4, ["data.micro_batch_size=8", "parallel.cp=2", "parallel.cp_mode=ring", "parallel.tp=2",
+                      "parallel.sequence_parallel=true"]),
+    "pp2xfsdp2xtp2": (8, ["data.micro_batch_size=2", "train.grad_accum=2", "parallel.pp=2", "parallel.dp_shard=2",
+                          "parallel.tp=2"]),
+    "pp2xcp2xtp2": (8, ["data.micro_batch_size=4", "train.grad_accum=2", "parallel.pp=2", "parallel.cp=2",
+                        "parallel.tp=2", "parallel.cp_mode=ring"]),
     # Activation checkpointing and compile change how a step is computed, never what.
     "fsdp-ac-full": (2, ["data.micro_batch_size=4", "parallel.dp_mode=fsdp", "parallel.activation_checkpoint=full"]),
     "tp2-sp-ac-selective": (2, ["data.micro_batch_size=8", "parallel.tp=2", "parallel.activation_checkpoint=selective"]),
     "cp2-ulysses-ac-offload": (2, ["data.micro_batch_size=8", "parallel.cp=2", "parallel.activation_checkpoint=offload"]),
     "fsdp-compile": (2, ["data.micro_batch_size=4", "parallel.dp_mode=fsdp", "parallel.compile=true"]),
+    "pp2-compile": (2, ["data.micro_batch_size=4", "train.grad_accum=2", "parallel.pp=2", "parallel.compile=true"]),
 }
 
 
@@ -111,6 +131,27 @@ def test_checkpoint_resumes_under_another_layout(uninterrupted, fsdp_checkpoint,
     run_train(run, synth_data, *RESUME_COMMON, "run.resume=auto", *overrides, nproc=nproc)
     # The resumed part (steps 4-6) continues as if the FSDP run had never stopped.
     assert_same_training(uninterrupted, run, range(4, RESUME_STEPS + 1))
+    ref_w, par_w = final_weights(uninterrupted, RESUME_STEPS), final_weights(run, RESUME_STEPS)
+    for name in ref_w:
+        torch.testing.assert_close(par_w[name], ref_w[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_checkpoint_chain_across_compositions(uninterrupted, synth_data, tmp_path):
+    """PP2 x FSDP2 (steps 1-2) -> FSDP4 (steps 3-4) -> PP2 x TP2 (steps 5-6), each run 'killed'
+    one step after its checkpoint: every hand-over reshards through DCP and the loader's sample
+    position, and the chain trains exactly as the uninterrupted single process."""
+    run = str(tmp_path / "run")
+    chain = [(["train.stop_after=3", "data.micro_batch_size=2", "train.grad_accum=2", "parallel.pp=2",
+               "parallel.dp_shard=2"]),
+             (["train.stop_after=5", "run.resume=auto", "data.micro_batch_size=2", "parallel.dp_mode=fsdp"]),
+             (["run.resume=auto", "data.micro_batch_size=4", "train.grad_accum=2", "parallel.pp=2",
+               "parallel.tp=2"])]
+    for overrides in chain:
+        run_train(run, synth_data, *RESUME_COMMON, "train.ckpt_every=2", *overrides, nproc=4)
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        resumed_at = [rec["step"] for rec in map(json.loads, f) if rec.get("event") == "resume"]
+    assert resumed_at == [2, 4], resumed_at
+    assert_same_training(uninterrupted, run, range(1, RESUME_STEPS + 1))
     ref_w, par_w = final_weights(uninterrupted, RESUME_STEPS), final_weights(run, RESUME_STEPS)
     for name in ref_w:
         torch.testing.assert_close(par_w[name], ref_w[name], rtol=1e-5, atol=1e-6, msg=name)

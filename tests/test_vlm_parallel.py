@@ -47,6 +47,11 @@ LAYOUTS = {
     "pp2": (2, ["data.micro_batch_size=4", "train.grad_accum=2", "parallel.pp=2", "parallel.pp_schedule=1f1b",
                 "packing.rows=8"]),
     "fsdp2xtp2": (4, ["data.micro_batch_size=4", "parallel.dp_shard=2", "parallel.tp=2"]),
+    # Compositions: FSDP inside pipeline stages (the ViT sharded on the first stage's ranks), and
+    # CP x TP (ring: 1 kv head per TP rank does not split for Ulysses) with sequence parallel.
+    "pp2xfsdp2": (4, ["data.micro_batch_size=2", "train.grad_accum=2", "parallel.pp=2", "parallel.dp_shard=2",
+                      "parallel.pp_schedule=1f1b", "packing.rows=4"]),
+    "cp2xtp2": (4, ["data.micro_batch_size=8", "parallel.cp=2", "parallel.cp_mode=ring", "parallel.tp=2"]),
 }
 
 
@@ -108,6 +113,10 @@ def test_layout_matches_single_process(single_run, vqa_data, tokenizer, tmp_path
         # every one of its tensors was saved as 4 shards.
         chunks = vision_chunks(run, STEPS)
         assert chunks and set(chunks.values()) == {4}, chunks
+    if layout == "pp2xfsdp2":
+        # The first stage's ViT is sharded over that stage's two data-parallel ranks.
+        chunks = vision_chunks(run, STEPS)
+        assert chunks and set(chunks.values()) == {2}, chunks
 
 
 RESUME_STEPS = 6

@@ -3,16 +3,34 @@
 The mechanisms are common/parallel's; this is the family's plan for them, in torchtitan's order:
 tensor parallel (each DiTBlock's own plan) -> context parallel (tokens and RoPE rows sharded at
 the first block, gathered before the final layer) -> activation checkpointing -> compile ->
-pipeline split (DiTStage) or data parallel (DDP, or FSDP with each block a unit). Which layouts a
-model refuses comes from its `parallel_limits()`, checked with the unbuilt combinations in
-common/parallel/layouts.py before any process group is touched.
+pipeline split (DiTStage) -> data parallel (DDP, or FSDP with each block a unit; under pipeline
+parallelism per stage: its blocks, then the stage). Which layouts a model refuses comes from its
+`parallel_limits()`, checked with the unbuilt combinations in common/parallel/layouts.py before
+any process group is touched.
+
+Why the compositions are exact:
+  CP x TP   CP's pre-hook on block 0 runs before TP's sequence-parallel slice (prepend), so TP
+            splits this CP rank's contiguous tokens; TP's gather after the last block restores
+            the CP shard, CP's gather before the final layer the sequence. Attention sees the
+            TP rank's heads over the CP shard, exactly the CP-only computation per head.
+  PP x CP   the shard sits on block 0 and the gather on the final layer, whichever stage holds
+            them: stage boundaries carry CP-sharded tokens, every stage shards its RoPE rows.
+  PP x DP   every stage is fully_shard-ed (blocks, then the stage as the root owning embeddings
+            or the final layer); torch.distributed.pipelining turns gradient sync off for all
+            microbatches but the last, then reduce-scatters (averages) once and divides by the
+            microbatch count: the same mean as grad accumulation in one process. The view
+            (what optimizer, EMA and DCP checkpoints see) holds the same modules, hence the
+            same dp-sharded DTensor parameters under the DiT's names: checkpoints stay
+            layout-independent and common/parallel/grads.py counts each shard once.
+Nothing here reads tensor values: a meta-device model parallelizes the same way (the planner's
+dry run).
 """
 from __future__ import annotations
 
 from torch import nn
 
 from common.dist import DistInfo
-from common.parallel.data_parallel import apply_data_parallel
+from common.parallel.data_parallel import apply_data_parallel, shard_pipeline_stages
 from common.parallel.dims import ParallelDims
 from common.parallel.layouts import check_layout
 from common.parallel.parallel_model import ParallelModel
@@ -39,7 +57,7 @@ def parallelize_dit(model, cfg, info: DistInfo, *, microbatches: int = 1, criter
         apply_context_parallel(model, mesh, dims, mc.num_tokens)
     apply_block_options(model.blocks, cfg)
     if dims.pp > 1:
-        return _pipeline(model, dims, mesh, info, microbatches, criterion, grad_hooks)
+        return _pipeline(model, dims, mesh, info, microbatches, criterion, grad_hooks, cfg)
     module = apply_data_parallel(model, list(model.blocks), mesh, dims, info, cfg)
     return ParallelModel(module, dims, mesh, grad_hooks=grad_hooks)
 
@@ -70,7 +88,9 @@ def apply_context_parallel(model, mesh, dims: ParallelDims, num_tokens: int) -> 
 
     for block in model.blocks:
         block.attn.attn_impl = cp.attention
-        block.register_forward_pre_hook(shard_block_inputs)
+        # prepend: under TP + sequence parallel, block 0 also slices its input over the TP ranks;
+        # the CP shard must come first so that TP splits this CP rank's contiguous tokens.
+        block.register_forward_pre_hook(shard_block_inputs, prepend=True)
     model.final.register_forward_pre_hook(lambda _, args: (cp.gather(args[0], 1), *args[1:]))
 
 
@@ -124,7 +144,7 @@ class DiTStage(nn.Module):
 
 
 def _pipeline(model, dims: ParallelDims, mesh, info: DistInfo, microbatches: int, criterion,
-              grad_hooks) -> ParallelModel:
+              grad_hooks, cfg) -> ParallelModel:
     num_stages = dims.pp * dims.pp_stages_per_rank
     layers = split_layers(model.cfg.depth, num_stages)
     pp_rank = mesh["pp"].get_local_rank()
@@ -144,6 +164,9 @@ def _pipeline(model, dims: ParallelDims, mesh, info: DistInfo, microbatches: int
     if num_stages - 1 not in mine:
         model.final = None
 
+    # Data parallelism per stage; the view shares the stages' modules, so it sees the same
+    # (dp-sharded DTensor) parameters the stages train, under the DiT's names.
+    shard_pipeline_stages(stages.values(), lambda stage: list(stage.blocks.values()), mesh, dims, info, cfg)
     runner = PipelineRunner(stages, num_stages, mesh["pp"].get_group(), info.device, dims.pp_schedule,
                             microbatches, criterion)
     return ParallelModel(view, dims, mesh, pipeline=runner, grad_hooks=grad_hooks)

@@ -9,6 +9,12 @@ parallelized: one DeviceMesh, a different plan per part.
           split its parameters, gradients and optimizer state. Its per-rank work is balanced
           across data-parallel ranks (common/parallel/balance.py) since tiles per sample vary.
 
+Compositions (as for the DiT, common/nn/dit_parallel.py): CP x TP (CP shards a row's tokens
+before TP's sequence-parallel slice, prepended pre-hook), PP x CP / TP, and PP x FSDP, where each
+stage is sharded like the whole model without pipelining (the first stage's ViT and projector over
+all of that stage's ranks, LM units over dp_shard x cp) with the stage as the FSDP root that the
+pipeline schedule drives: gradients reduced once per step, after the last microbatch.
+
 Why one flattened FSDP group is exact for the vision tower: its gradient is identical on TP peers
 (the blocks' TP regions all-reduce their input gradients) and, on CP peers, N x the contribution
 of the rank's token shard (the gather before the head scales by N); FSDP's mean over the group
@@ -63,7 +69,7 @@ def parallelize_vlm(model, cfg, info: DistInfo, *, microbatches: int = 1, criter
         model.vision_dispatch = lambda fn, tiles: balanced_apply(fn, tiles, group)
     apply_block_options(lm.blocks, cfg)
     if dims.pp > 1:
-        return _pipeline(model, dims, mesh, info, microbatches, criterion, grad_hooks)
+        return _pipeline(model, dims, mesh, info, microbatches, criterion, grad_hooks, cfg)
     _shard(model, mesh, dims, info.precision, cfg)
     return ParallelModel(model, dims, mesh, grad_hooks=grad_hooks)
 
@@ -78,28 +84,36 @@ def _vision_mesh(mesh, dims: ParallelDims):
     return sub._flatten("vision")  # DeviceMesh._flatten: how torch builds multi-dim sub-meshes itself
 
 
-def _shard(model, mesh, dims: ParallelDims, precision, cfg) -> None:
+def _shard(model, mesh, dims: ParallelDims, precision, cfg, *, lm_units=None, root=None) -> None:
     """fully_shard the vision tower (block by block), the projector and the LM (embedding, blocks,
-    norm, head as units: the model calls them one by one, not through lm.forward), then the root."""
+    norm, head as units: the model calls them one by one, not through lm.forward), then the root.
+    A pipeline stage passes its own LM units and itself as the root (model=None when the stage
+    holds no vision tower)."""
     from torch.distributed.fsdp import fully_shard
 
     from common.parallel.data_parallel import fsdp_kwargs, fsdp_mesh
     kw = fsdp_kwargs(precision, reshard_after_forward=cfg.reshard_after_forward)
     vmesh = _vision_mesh(mesh, dims)
-    if vmesh is not None:
+    if vmesh is not None and model is not None:
         for block in vision_blocks(model.visual):
             fully_shard(block, mesh=vmesh, **kw)
         fully_shard(model.visual, mesh=vmesh, **kw)
         fully_shard(model.projector, mesh=vmesh, **kw)
-    lm = model.lm
     if dims.dp_mode == "fsdp" and dims.dp * dims.cp > 1:
         lmesh = fsdp_mesh(mesh, dims)
-        for unit in (lm.tok_embeddings, *lm.blocks, lm.norm, lm.output):
-            fully_shard(unit, mesh=lmesh, **kw)
-        fully_shard(lm, mesh=lmesh, **kw)
+        if lm_units is None:
+            lm = model.lm
+            lm_units = [lm.tok_embeddings, *lm.blocks, lm.norm, lm.output]
+            root = model
+            for unit in lm_units:
+                fully_shard(unit, mesh=lmesh, **kw)
+            fully_shard(lm, mesh=lmesh, **kw)
+        else:
+            for unit in lm_units:
+                fully_shard(unit, mesh=lmesh, **kw)
         # The root owns no parameter of its own (every part is a unit above); it is what makes one
-        # forward/backward of the whole model one FSDP step.
-        fully_shard(model, mesh=vmesh, **kw)
+        # forward/backward of the whole model (or of one pipeline stage) one FSDP step.
+        fully_shard(root, mesh=lmesh if vmesh is None else vmesh, **kw)
     # Without data parallelism (tp / cp peers only) the LM keeps its plain or TP weights and the
     # vision units are roots of their own.
 
@@ -128,7 +142,8 @@ def apply_context_parallel(lm, mesh, dims: ParallelDims) -> None:
 
     for block in lm.blocks:
         block.attention.attn_impl = cp.attention
-        block.register_forward_pre_hook(shard_inputs)
+        # prepend: the CP shard comes before the sequence-parallel TP slice of block 0's input
+        block.register_forward_pre_hook(shard_inputs, prepend=True)
     lm.norm.register_forward_pre_hook(lambda _, args: (cp.gather(args[0], 1), *args[1:]))
 
 
@@ -183,7 +198,7 @@ class VLMStage(nn.Module):
 
 
 def _pipeline(model, dims: ParallelDims, mesh, info: DistInfo, microbatches: int, criterion,
-              grad_hooks) -> ParallelModel:
+              grad_hooks, cfg) -> ParallelModel:
     n_layers = model.lm.cfg.n_layers
     num_stages = dims.pp * dims.pp_stages_per_rank
     layers = split_layers(n_layers, num_stages)
@@ -194,6 +209,16 @@ def _pipeline(model, dims: ParallelDims, mesh, info: DistInfo, microbatches: int
     for i in range(n_layers):
         if i not in owned:
             model.lm.blocks[i] = nn.Identity()
+    if dims.dp_mode == "fsdp":
+        # Per stage, as without pipelining: the first stage's vision tower and projector over
+        # every rank of the stage, its LM units over dp_shard x cp, the stage as the root that
+        # torch.distributed.pipelining drives (gradient sync once per step, after the last
+        # microbatch). The view shares these modules, hence the same sharded parameters.
+        for s, stage in stages.items():
+            lm_view = stage.lm
+            units = [*([lm_view.tok_embeddings] if stage.first else []), *lm_view.blocks.values(),
+                     *([lm_view.norm, lm_view.output] if stage.last else [])]
+            _shard(model if stage.first else None, mesh, dims, info.precision, cfg, lm_units=units, root=stage)
     runner = PipelineRunner(stages, num_stages, mesh["pp"].get_group(), info.device, dims.pp_schedule,
                             microbatches, criterion)
     return ParallelModel(view, dims, mesh, pipeline=runner, grad_hooks=grad_hooks)

@@ -65,5 +65,35 @@ def apply_data_parallel(model: torch.nn.Module, units: Iterable[torch.nn.Module]
     return model
 
 
+def replicate_mesh(mesh, dims: ParallelDims):
+    """(dp, 1) 2-D mesh: fully_shard on it is HSDP with a shard group of one, i.e. DDP's semantics
+    (whole parameters on every rank, gradients all-reduced/averaged over dp) on FSDP2's hooks."""
+    if dims.dp_replicate > 1:
+        return mesh["dp_replicate", "dp_shard"]  # dp_shard == 1 under ddp
+    return mesh["dp_shard", "cp"]  # cp == 1 under ddp
+
+
+def shard_pipeline_stages(stages: Iterable[torch.nn.Module], units_of, mesh, dims: ParallelDims, info, cfg) -> None:
+    """Data parallelism inside each pipeline stage: fully_shard every unit of a stage
+    (units_of(stage), e.g. its blocks), then the stage module itself, which becomes the root
+    owning the stage's remaining parameters (embeddings on the first stage, the final layer on
+    the last). torch.distributed.pipelining drives FSDPModule stages itself: gradient sync and
+    reshard-after-backward are off for every microbatch but the schedule's final
+    REDUCE_GRAD, which reduce-scatters the accumulated gradients once, then divides them by
+    the microbatch count. fsdp: ZeRO-3 (or ZeRO-2 with reshard_after_forward=false), HSDP with
+    dp_replicate; ddp: the same machinery on replicate_mesh, which is exactly DDP's averaged
+    all-reduce (and, unlike wrapping a stage in DistributedDataParallel, also works for the
+    split input/weight backward of zero-bubble schedules)."""
+    if dims.dp_mode == "none":
+        return
+    kwargs = fsdp_kwargs(info.precision, reshard_after_forward=cfg.reshard_after_forward,
+                         cpu_offload=cfg.cpu_offload)
+    kwargs["mesh"] = replicate_mesh(mesh, dims) if dims.dp_mode == "ddp" else fsdp_mesh(mesh, dims)
+    for stage in stages:
+        for unit in units_of(stage):
+            fully_shard(unit, **kwargs)
+        fully_shard(stage, **kwargs)
+
+
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if isinstance(model, DistributedDataParallel) else model

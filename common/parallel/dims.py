@@ -166,9 +166,11 @@ def _resolve_dp_mode(mode: str, dp_replicate: int, dp_shard: int, cp: int, tp: i
     if mode == "none" and dp * cp > 1:
         raise ConfigError(f"parallel.dp_mode=none but {dp * cp} ranks hold copies of the weights "
                           f"(dp={dp}, cp={cp}): their gradients must be reduced; use fsdp (or ddp for pure data parallel)")
-    if mode == "ddp" and model_parallel:
-        raise ConfigError(f"parallel.dp_mode=ddp supports data parallelism only; with tp={tp}, cp={cp}, pp={pp} "
-                          "use dp_mode=fsdp (or auto)")
+    if mode == "ddp" and (cp > 1 or tp > 1):
+        # With pp alone each stage is replicated over dp (common/parallel/data_parallel.py,
+        # shard_pipeline_stages); TP/CP peers would need FSDP's multi-dim mesh anyway.
+        raise ConfigError(f"parallel.dp_mode=ddp supports data and pipeline parallelism only; with tp={tp}, "
+                          f"cp={cp} use dp_mode=fsdp (or auto)")
     if mode == "ddp" and dp_replicate > 1 and dp_shard > 1:
         raise ConfigError("parallel.dp_mode=ddp replicates everything: dp_replicate > 1 with dp_shard > 1 is HSDP, "
                           "use dp_mode=fsdp")

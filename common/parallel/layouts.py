@@ -1,8 +1,24 @@
 """The one place that decides whether a parallel layout can run, before any process group.
 
-Two kinds of refusal, both a ConfigError naming the degrees: combinations of mechanisms not built
-(or not proved against the single-process run) yet, for every model; and dimensions a model's
-plan cannot use, which the model declares as `parallel_limits() -> {dim: reason}`.
+Two kinds of refusal, both a one-line ConfigError naming the degrees: combinations of mechanisms
+not built (or not proved against the single-process run) yet, for every model; and dimensions a
+model's plan cannot use, which the model declares as `parallel_limits() -> {dim: reason}`.
+Layouts that do not divide (heads, tokens, layers, microbatches) are ParallelDims.check_model's.
+
+Composed and proved (tests/test_parallel_grid.py, tests/test_vlm_parallel.py: loss and grad norm
+per step and final weights equal to one process at rtol 1e-5, gloo, 2 to 8 ranks):
+  PP x FSDP2 (ZeRO-3, ZeRO-2, HSDP)  each stage's blocks, then the stage, fully_shard-ed; the
+                                     schedule syncs gradients once per step (after the last
+                                     microbatch's backward), so the reduced gradient is the mean of
+                                     the same per-sample terms as one process
+  PP x DDP                           the stage replicated through FSDP2 on a (dp, 1) mesh: DDP's
+                                     averaged all-reduce, also valid for split (zero-bubble) backward
+  PP x TP, PP x CP                   TP/CP act inside blocks; CP shards tokens at block 0 and gathers
+                                     before the final layer, whichever stage holds them (stage
+                                     boundaries carry the CP-sharded tokens)
+  CP x TP (+SP)                      CP shards the sequence first, TP/SP splits each CP shard
+  PP x DP x CP x TP                  the above on one mesh (proved at 8 ranks with one degree 1)
+  compile with PP                    per-block compile; the stages call the compiled blocks
 """
 from __future__ import annotations
 
@@ -10,19 +26,11 @@ from common.config import ConfigError
 from common.parallel.dims import ParallelDims
 
 
-def not_built(dims: ParallelDims, compile: bool) -> str | None:
+def not_built(dims: ParallelDims, compile: bool, cpu_offload: bool = False) -> str | None:
     """Why this combination of mechanisms cannot run yet (None: it can)."""
-    if dims.pp > 1 and dims.cp > 1:
-        return (f"parallel.pp={dims.pp} with parallel.cp={dims.cp} is not supported: context parallelism "
-                "shards the token sequence across the whole block stack, which pipeline stages split")
-    if dims.pp > 1 and dims.dp_mode != "none":
-        return (f"parallel.pp={dims.pp} with data parallelism (dp={dims.dp}, dp_mode={dims.dp_mode}) is not "
-                "supported yet: run pipeline parallelism with tp only, or use fsdp without pp")
-    if dims.cp > 1 and dims.tp > 1:
-        return (f"parallel.cp={dims.cp} with parallel.tp={dims.tp} is not supported yet; use one of them "
-                "(with fsdp for the remaining ranks)")
-    if dims.pp > 1 and compile:
-        return "parallel.compile=true with parallel.pp > 1 is not supported yet"
+    if dims.pp > 1 and cpu_offload:
+        return (f"parallel.cpu_offload=true with parallel.pp={dims.pp} is not supported yet: offloaded FSDP "
+                "shards inside pipeline stages are not proved; use cpu_offload=false or pp=1")
     return None
 
 
@@ -34,6 +42,6 @@ def check_layout(dims: ParallelDims, parallel_cfg, limits: dict[str, str], name:
         degree = getattr(dims, dim)
         if degree > 1:
             raise ConfigError(f"parallel.{dim}={degree} is not supported for {name}: {reason}")
-    why = not_built(dims, parallel_cfg.compile)
+    why = not_built(dims, parallel_cfg.compile, getattr(parallel_cfg, "cpu_offload", False))
     if why:
         raise ConfigError(why)

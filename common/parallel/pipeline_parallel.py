@@ -12,6 +12,14 @@ Placement of the pp * v stages on pp ranks:
 Microbatches: train.grad_accum of them per step, each data.micro_batch_size samples. The schedule
 divides gradients by the microbatch count (scale_grads), so a step equals grad_accum micro-steps
 of loss / grad_accum in one process.
+
+Composition: a stage module may be an FSDPModule (data parallelism inside the stage; see
+common/parallel/data_parallel.py, shard_pipeline_stages). torch's PipelineStage then keeps
+gradient sync and reshard-after-backward off for every microbatch and runs FSDP's post-backward
+(one reduce-scatter or all-reduce per stage) in the schedule's final REDUCE_GRAD step, before
+scale_grads. TP and CP work inside the blocks, so the point-to-point activations between stages
+are whatever the blocks produce (CP-sharded tokens when CP is on); the stage groups are the pp
+dim of the one mesh, so each (dp, cp, tp) coordinate runs its own pipeline.
 """
 from __future__ import annotations
 
