@@ -10,11 +10,13 @@ from __future__ import annotations
 import os
 import random
 from dataclasses import dataclass
+from typing import Mapping
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from common.config import ConfigError
 from common.precision.policy import PrecisionPolicy, default_policy, resolve_policy
 
 
@@ -39,22 +41,111 @@ class DistInfo:
         return self.world_size > 1
 
 
+# Variables that change how collectives behave (transport, interfaces, timeouts, debug output):
+# printed at start so a slow or hanging job's log says which settings it ran with.
+COMM_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_")
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """What the launcher (torchrun, or a Slurm script around it) told this process."""
+    world_size: int
+    rank: int
+    local_rank: int
+    local_world_size: int
+    master: str | None  # MASTER_ADDR:MASTER_PORT, None without a launcher
+    restart_count: int  # TORCHELASTIC_RESTART_COUNT: how many times torchrun restarted the workers
+    max_restarts: int | None
+    comm_env: tuple[tuple[str, str], ...]
+
+    @property
+    def launched(self) -> bool:
+        return self.master is not None or self.world_size > 1
+
+    @property
+    def nodes(self) -> int:
+        return self.world_size // self.local_world_size
+
+    def describe(self, backend: str) -> str:
+        restarts = f"torchrun restart {self.restart_count}" + (
+            f" of max {self.max_restarts}" if self.max_restarts is not None else "")
+        comm = " ".join(f"{k}={v}" for k, v in self.comm_env) or "none set"
+        nodes = f"{self.nodes} node{'s' * (self.nodes != 1)}"
+        return (f"launch: world size {self.world_size} = {nodes} x {self.local_world_size} per node, "
+                f"backend {backend}, master {self.master or '-'}, {restarts}, NCCL/GLOO env: {comm}")
+
+
+def _env_int(environ: Mapping[str, str], name: str, default: int) -> int:
+    raw = environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"launcher environment: {name}={raw!r} is not an integer") from None
+
+
+def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
+    """The launcher's variables, checked for consistency (ConfigError, one line) before any
+    process group is formed: a wrong value there shows up as a hang, not as an error."""
+    e = os.environ if environ is None else environ
+    world_size = _env_int(e, "WORLD_SIZE", 1)
+    rank = _env_int(e, "RANK", 0)
+    local_rank = _env_int(e, "LOCAL_RANK", 0)
+    # Without torchrun (WORLD_SIZE set by hand), assume every process is on this node.
+    local_world_size = _env_int(e, "LOCAL_WORLD_SIZE", world_size)
+    max_restarts = e.get("TORCHELASTIC_MAX_RESTARTS")
+    env = LaunchEnv(
+        world_size=world_size, rank=rank, local_rank=local_rank, local_world_size=local_world_size,
+        master=f"{e['MASTER_ADDR']}:{e.get('MASTER_PORT', '?')}" if e.get("MASTER_ADDR") else None,
+        restart_count=_env_int(e, "TORCHELASTIC_RESTART_COUNT", 0),
+        max_restarts=int(max_restarts) if max_restarts and max_restarts.lstrip("-").isdigit() else None,
+        comm_env=tuple(sorted((k, v) for k, v in e.items() if k.startswith(COMM_ENV_PREFIXES))))
+    if world_size < 1 or local_world_size < 1:
+        raise ConfigError(f"launcher environment: WORLD_SIZE={world_size} and LOCAL_WORLD_SIZE={local_world_size} "
+                          "must be >= 1")
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"launcher environment: RANK={rank} is outside 0..WORLD_SIZE-1 (WORLD_SIZE={world_size})")
+    if not 0 <= local_rank < local_world_size:
+        raise ConfigError(f"launcher environment: LOCAL_RANK={local_rank} is outside 0..LOCAL_WORLD_SIZE-1 "
+                          f"(LOCAL_WORLD_SIZE={local_world_size})")
+    if world_size % local_world_size:
+        raise ConfigError(f"launcher environment: LOCAL_WORLD_SIZE={local_world_size} does not divide "
+                          f"WORLD_SIZE={world_size}: every node must run the same number of processes "
+                          "(torchrun --nproc-per-node is the same on all nodes)")
+    if world_size > 1 and not (e.get("MASTER_ADDR") and e.get("MASTER_PORT")):
+        raise ConfigError(f"launcher environment: WORLD_SIZE={world_size} but MASTER_ADDR/MASTER_PORT are not set; "
+                          "launch with torchrun (or launch/slurm.sh)")
+    return env
+
+
+def check_devices(env: LaunchEnv, use_cuda: bool, cuda_devices: int) -> None:
+    """One process per GPU: more local processes than visible GPUs would put two ranks on one."""
+    if use_cuda and env.local_world_size > cuda_devices:
+        raise ConfigError(f"launcher environment: {env.local_world_size} processes per node (LOCAL_WORLD_SIZE) "
+                          f"but {cuda_devices} CUDA devices visible (CUDA_VISIBLE_DEVICES="
+                          f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); lower --nproc-per-node")
+
+
 def init_distributed(device: str = "auto", precision=None) -> DistInfo:
     """Initialise the process group when launched by torchrun; idempotent. precision: a
-    PrecisionConfig (None: the device's default policy)."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    PrecisionConfig (None: the device's default policy). Rank 0 prints one line of launcher
+    facts (world size, nodes, backend, master, restart count, NCCL/GLOO settings)."""
+    env = launch_env()
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
     if use_cuda:
-        torch.cuda.set_device(local_rank)
-        dev = torch.device("cuda", local_rank)
+        check_devices(env, use_cuda, torch.cuda.device_count())
+        torch.cuda.set_device(env.local_rank)
+        dev = torch.device("cuda", env.local_rank)
     else:
         dev = torch.device("cpu")
-    if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    backend = "nccl" if use_cuda else "gloo"
+    if env.world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend=backend)
+    if env.launched and env.rank == 0:
+        print(env.describe(backend if env.world_size > 1 else "none"), flush=True)
     policy = default_policy(dev) if precision is None else resolve_policy(precision, dev)
-    return DistInfo(rank, world_size, local_rank, dev, policy)
+    return DistInfo(env.rank, env.world_size, env.local_rank, dev, policy)
 
 
 def teardown() -> None:
