@@ -63,6 +63,9 @@ LAYOUTS = {
                       "parallel.sequence_parallel=true"]),
     "pp2xfsdp2xtp2": (8, ["data.micro_batch_size=2", "train.grad_accum=2", "parallel.pp=2", "parallel.dp_shard=2",
                           "parallel.tp=2"]),
+    # 4-D: every degree 2 on 16 ranks.
+    "pp2xfsdp2xcp2xtp2": (16, ["data.micro_batch_size=2", "train.grad_accum=2", "parallel.pp=2",
+                               "parallel.dp_shard=2", "parallel.cp=2", "parallel.tp=2", "parallel.cp_mode=ring"]),
     "pp2xcp2xtp2": (8, ["data.micro_batch_size=4", "train.grad_accum=2", "parallel.pp=2", "parallel.cp=2",
                         "parallel.tp=2", "parallel.cp_mode=ring"]),
     # Activation checkpointing and compile change how a step is computed, never what.

@@ -17,7 +17,7 @@ per step and final weights equal to one process at rtol 1e-5, gloo, 2 to 8 ranks
                                      before the final layer, whichever stage holds them (stage
                                      boundaries carry the CP-sharded tokens)
   CP x TP (+SP)                      CP shards the sequence first, TP/SP splits each CP shard
-  PP x DP x CP x TP                  the above on one mesh (proved at 8 ranks with one degree 1)
+  PP x DP x CP x TP                  the above on one mesh (proved at 16 ranks, every degree 2)
   compile with PP                    per-block compile; the stages call the compiled blocks
 """
 from __future__ import annotations
