@@ -63,6 +63,8 @@ LAYOUTS = {
                       "parallel.sequence_parallel=true"]),
     "pp2xfsdp2xtp2": (8, ["data.micro_batch_size=2", "train.grad_accum=2", "parallel.pp=2", "parallel.dp_shard=2",
                           "parallel.tp=2"]),
+    "pp2xhsdp2x2": (8, ["data.micro_batch_size=1", "train.grad_accum=2", "parallel.pp=2", "parallel.dp_replicate=2",
+                        "parallel.dp_shard=2"]),
     # 4-D: every degree 2 on 16 ranks.
     "pp2xfsdp2xcp2xtp2": (16, ["data.micro_batch_size=2", "train.grad_accum=2", "parallel.pp=2",
                                "parallel.dp_shard=2", "parallel.cp=2", "parallel.tp=2", "parallel.cp_mode=ring"]),
