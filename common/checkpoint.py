@@ -11,6 +11,12 @@ A checkpoint becomes visible only by the rename of its finished .tmp directory, 
 has written its part and meta.json is on disk, so a process killed mid-save leaves the previous
 checkpoint as `latest`. DCP files are sharded per rank and resharded on load, so a checkpoint
 written under one parallel layout loads under another.
+
+Asynchronous saves (train.ckpt_async): the step blocks only while DCP stages a copy of the state
+in CPU memory; a DCP thread writes it over a gloo group of its own (the training's collectives
+keep the default group). DCP's coordinator (rank 0) finishes a save only after every rank
+reported its write, so rank 0 then writes meta.json and renames, in a thread of its own. The next
+save and the end of training wait for that; a kill before it leaves the previous checkpoint.
 """
 from __future__ import annotations
 
@@ -19,9 +25,10 @@ import os
 import re
 import shutil
 import sys
+import threading
 import time
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -127,11 +134,23 @@ def _plain(state: dict) -> dict:
 class CheckpointManager:
     """Save/resume of the whole training state; every rank calls every method."""
 
-    def __init__(self, root: str, keep_last: int, signature: dict[str, Any], info: mdist.DistInfo):
+    def __init__(self, root: str, keep_last: int, signature: dict[str, Any], info: mdist.DistInfo,
+                 async_save: bool = False, on_async_start: Callable[[int], None] | None = None):
+        """on_async_start(step): called once an asynchronous save was handed to its writer thread."""
         self.root = root
         self.keep_last = max(1, keep_last)
         self.signature = signature
         self.info = info
+        self.async_save = async_save
+        self.on_async_start = on_async_start
+        self._pending: _PendingSave | None = None
+        self.last_write_s = 0.0  # start of the last save until its data was on disk (all ranks)
+        self._pg = None
+        if async_save and torch.distributed.is_initialized():
+            # The writer thread's collectives must not interleave with the training's on one group.
+            self._pg = torch.distributed.new_group(backend="gloo")
+        elif async_save:  # DCP warns from its writer thread, where catch_warnings cannot reach
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         if info.is_main:
             os.makedirs(root, exist_ok=True)
         mdist.barrier()
@@ -150,7 +169,10 @@ class CheckpointManager:
     # ------------------------------------------------------------------ save
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              tensors: dict[str, dict[str, torch.Tensor]], meta: dict[str, Any]) -> str:
-        """`tensors`: extra named tensor dicts (EMA, frozen modules) saved through DCP as well."""
+        """`tensors`: extra named tensor dicts (EMA, frozen modules) saved through DCP as well.
+        Returns the checkpoint's final path (with async saves, complete only after wait())."""
+        self.wait()
+        t0 = time.perf_counter()
         name = f"step_{step:08d}"
         final = os.path.join(self.root, name)
         tmp = final + ".tmp"
@@ -163,20 +185,44 @@ class CheckpointManager:
             "optim": get_optimizer_state_dict(model, optimizer),
             **tensors,
         })
-        _quiet_single_process(dcp.save, state, checkpoint_id=tmp)
         torch.save(mdist.rng_state(), os.path.join(tmp, f"rng_rank{self.info.rank}.pt"))
+        full_meta = {"step": step, "signature": self.signature, "world_size": self.info.world_size,
+                     "time": time.time(), **meta}
+        if self.async_save:
+            # DefaultStager copies every tensor (CPU ones too) before async_save returns, so the
+            # next optimizer step cannot change what is being written.
+            response = dcp.async_save(state, checkpoint_id=tmp, process_group=self._pg,
+                                      no_dist=not torch.distributed.is_initialized())
+            upload = getattr(response, "upload_completion", response)
+            self._pending = _PendingSave(upload, lambda: self._finalize(tmp, final, name, full_meta), t0,
+                                         self.info.is_main)
+            if self.on_async_start is not None:
+                self.on_async_start(step)
+            return final
+        _quiet_single_process(dcp.save, state, checkpoint_id=tmp)
         mdist.barrier()
         if self.info.is_main:
-            full_meta = {"step": step, "signature": self.signature, "world_size": self.info.world_size,
-                         "time": time.time(), **meta}
-            _fsync_write(os.path.join(tmp, META), json.dumps(full_meta, indent=1, default=str))
-            if os.path.exists(final):  # re-saving a step after a resume: replace the older copy
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            _fsync_write(os.path.join(self.root, "latest"), name + "\n")
-            self._retain()
+            self._finalize(tmp, final, name, full_meta)
         mdist.barrier()
+        self.last_write_s = time.perf_counter() - t0
         return final
+
+    def wait(self) -> None:
+        """Block until the asynchronous save in flight (if any) is complete and visible."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.wait()
+            self.last_write_s = pending.done_at - pending.started
+            mdist.barrier()  # no rank reads `latest` or starts the next save before rank 0 renamed
+
+    def _finalize(self, tmp: str, final: str, name: str, full_meta: dict) -> None:
+        """Rank 0, once every rank's data is in `tmp`: meta.json, rename, latest, retention."""
+        _fsync_write(os.path.join(tmp, META), json.dumps(full_meta, indent=1, default=str))
+        if os.path.exists(final):  # re-saving a step after a resume: replace the older copy
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_write(os.path.join(self.root, "latest"), name + "\n")
+        self._retain()
 
     def _retain(self) -> None:
         done = list_complete(self.root)
@@ -209,6 +255,31 @@ class CheckpointManager:
         if os.path.isfile(rng_file) and meta.get("world_size") == self.info.world_size:
             mdist.set_rng_state(torch.load(rng_file, weights_only=False))
         return meta
+
+
+class _PendingSave:
+    """An asynchronous save: DCP's upload future, then (rank 0) the finalize step in a thread."""
+
+    def __init__(self, upload, finalize: Callable[[], None], started: float, is_main: bool):
+        self.started, self.done_at = started, started
+        self._error: BaseException | None = None
+        self._upload, self._finalize = upload, finalize
+        self._thread = threading.Thread(target=self._run, args=(is_main,), name="ckpt-finalize", daemon=True)
+        self._thread.start()
+
+    def _run(self, is_main: bool) -> None:
+        try:
+            self._upload.result()
+            if is_main:
+                self._finalize()
+        except BaseException as e:  # re-raised in the training thread by wait()
+            self._error = e
+        self.done_at = time.perf_counter()
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise CheckpointError(f"asynchronous checkpoint save failed: {str(self._error).splitlines()[0][:300]}")
 
 
 def load_model_weights(path: str, model: torch.nn.Module, tensors: dict[str, dict[str, torch.Tensor]] | None = None,

@@ -12,7 +12,7 @@ import os
 import sys
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union
 
 from omegaconf import MISSING, OmegaConf
 from omegaconf import errors as oc_errors
@@ -83,7 +83,21 @@ class TrainConfig:
     steps: int = doc(1000, "optimizer steps in total")
     grad_accum: int = doc(1, "micro-batches per optimizer step")
     log_every: int = doc(10, "steps between metrics lines (JSONL, TensorBoard)")
-    ckpt_every: int = doc(200, "steps between checkpoints (the last step is always saved)")
+    ckpt_every: Union[int, str] = doc(200, "steps between checkpoints (the last step is always saved), or auto: "
+                                      "Young/Daly interval sqrt(2 x save time x train.mtbf_hours) in steps, from "
+                                      "the measured save and step times (first save after 5 steps to measure)")
+    ckpt_async: bool = doc(False, "asynchronous checkpoints: the step blocks only while the state is copied to CPU "
+                                  "memory; a thread writes it, and the checkpoint becomes `latest` once every rank's "
+                                  "write finished")
+    mtbf_hours: float = doc(24.0, "mean time between failures of the whole job, for ckpt_every=auto: a node's MTBF "
+                                  "divided by the number of nodes (e.g. 1000 h per node / 64 nodes ~ 16 h)")
+    hang_timeout_s: float = doc(1800.0, "a step, collective or save without progress for this long dumps every "
+                                        "thread's stack (stderr and run.dir/hang_rank<r>.txt) and exits with code 75 "
+                                        "so the launcher restarts the job (0: off)")
+    straggler_every: int = doc(50, "steps between straggler reports: per-rank rank-local step times (data loading "
+                                   "and input preparation) gathered, ranks above straggler_factor x the median "
+                                   "logged (0: off)")
+    straggler_factor: float = doc(1.2, "a rank slower than this factor x the median rank is a straggler")
     keep_last: int = doc(3, "checkpoints kept (older ones are deleted once a newer one is complete)")
     sample_every: int = doc(0, "steps between sample grids (0: only at the end)")
     ema_decay: float = doc(0.999, "EMA decay of the weights used for sampling (0: no EMA)")
@@ -223,12 +237,22 @@ def check_run_config(cfg, positive: dict, choices: dict) -> None:
     """The checks every pipeline's run config shares (data, train, optim sections), then the
     pipeline's own: `positive` maps "section.key" -> value that must be > 0, `choices` maps
     "section.key" -> (value, allowed values). Raises ConfigError naming the first bad key."""
-    positive = {"data.micro_batch_size": cfg.data.micro_batch_size, "train.steps": cfg.train.steps,
-                "train.grad_accum": cfg.train.grad_accum, "train.log_every": cfg.train.log_every,
-                "train.ckpt_every": cfg.train.ckpt_every, **positive}
+    tc = cfg.train
+    if isinstance(tc.ckpt_every, str) and tc.ckpt_every != "auto":
+        raise ConfigError(f"train.ckpt_every={tc.ckpt_every!r} must be a number of steps or auto")
+    positive = {"data.micro_batch_size": cfg.data.micro_batch_size, "train.steps": tc.steps,
+                "train.grad_accum": tc.grad_accum, "train.log_every": tc.log_every,
+                "train.mtbf_hours": tc.mtbf_hours, **positive}
+    if tc.ckpt_every != "auto":
+        positive["train.ckpt_every"] = tc.ckpt_every
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key}={value} must be > 0")
+    for key, value in {"train.hang_timeout_s": tc.hang_timeout_s, "train.straggler_every": tc.straggler_every}.items():
+        if value < 0:
+            raise ConfigError(f"{key}={value} must be >= 0 (0: off)")
+    if tc.straggler_factor <= 1.0:
+        raise ConfigError(f"train.straggler_factor={tc.straggler_factor} must be > 1")
     if cfg.data.num_workers < 0:
         raise ConfigError(f"data.num_workers={cfg.data.num_workers} must be >= 0")
     choices = {"optim.schedule": (cfg.optim.schedule, ("cosine", "constant")),
@@ -342,6 +366,8 @@ def from_yaml_file(schema_cls, path: str):
 
 
 def _type_name(tp) -> str:
+    if typing.get_origin(tp) is Union:
+        return " | ".join(_type_name(t) for t in typing.get_args(tp))
     return getattr(tp, "__name__", str(tp)).replace("typing.", "")
 
 

@@ -127,6 +127,19 @@ def check_devices(env: LaunchEnv, use_cuda: bool, cuda_devices: int) -> None:
                           f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); lower --nproc-per-node")
 
 
+def _per_attempt_store(env: LaunchEnv):
+    """torchrun's workers share its rendezvous TCPStore (TORCHELASTIC_USE_AGENT_STORE), which
+    outlives a restart, and the process group's keys carry no attempt number: a restarted gloo
+    group can read the dead attempt's addresses and fail ("Connection refused"; 2 in 3 restarts
+    here). A prefix per torchrun restart keeps the attempts apart. None: use env:// as usual."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    from datetime import timedelta
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), env.world_size,
+                          is_master=False, timeout=timedelta(minutes=10))
+    return dist.PrefixStore(f"attempt_{env.restart_count}", store)
+
+
 def init_distributed(device: str = "auto", precision=None) -> DistInfo:
     """Initialise the process group when launched by torchrun; idempotent. precision: a
     PrecisionConfig (None: the device's default policy). Rank 0 prints one line of launcher
@@ -141,7 +154,11 @@ def init_distributed(device: str = "auto", precision=None) -> DistInfo:
         dev = torch.device("cpu")
     backend = "nccl" if use_cuda else "gloo"
     if env.world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend=backend)
+        store = _per_attempt_store(env)
+        if store is None:
+            dist.init_process_group(backend=backend)
+        else:
+            dist.init_process_group(backend=backend, store=store, rank=env.rank, world_size=env.world_size)
     if env.launched and env.rank == 0:
         print(env.describe(backend if env.world_size > 1 else "none"), flush=True)
     policy = default_policy(dev) if precision is None else resolve_policy(precision, dev)

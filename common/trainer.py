@@ -25,6 +25,7 @@ from common import dist as mdist
 from common.checkpoint import CheckpointManager, latest_complete
 from common.config import to_yaml
 from common.ema import EMA
+from common.faults import CheckpointInterval, FaultInjector, HangWatchdog, StragglerMonitor, interval_message
 from common.metrics import MetricsLogger, memory_stats, resolve_peak
 from common.optim import build_optimizer, lr_at
 from common.parallel.grads import clip_grads
@@ -63,11 +64,15 @@ class Trainer:
         self.optimizer = build_optimizer(model, cfg.optim)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.ema = EMA(pm.plain, cfg.train.ema_decay, cfg.train.ema_warmup) if cfg.train.ema_decay > 0 else None
-        self.ckpt = CheckpointManager(os.path.join(cfg.run.dir, "checkpoints"), cfg.train.keep_last, signature, info)
+        self.faults = FaultInjector.from_env(cfg.run.dir, info.rank)  # None unless MMP_FAULT_* is set
+        self.ckpt = CheckpointManager(os.path.join(cfg.run.dir, "checkpoints"), cfg.train.keep_last, signature, info,
+                                      async_save=cfg.train.ckpt_async,
+                                      on_async_start=self.faults.in_save if self.faults else None)
         self.step = 0
         self.skipped_steps = 0
         self.corrupt_total = 0
         self.samples_seen = 0  # global samples trained on (with buckets, steps differ in size)
+        self.local_s = 0.0  # this rank's rank-local time in the last step (data + prepare): straggler report
 
     # ------------------------------------------------------------------ state
     def _tensor_state(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -112,13 +117,19 @@ class Trainer:
         """One optimizer step's gradients; returns (this rank's mean loss, corrupt samples read,
         samples trained, forward FLOPs of those samples)."""
         accum = self.cfg.train.grad_accum
+        t0 = time.perf_counter()
+        if self.faults is not None:
+            self.faults.at_step(self.step + 1)
         batches = [next(it) for _ in range(accum)]
+        self.local_s = time.perf_counter() - t0
         corrupt = sum(int(b.get("__corrupt__", 0)) for b in batches)
         samples = sum(len(b["__position__"]) for b in batches)
         flops = 0.0
         if self.pm.pipeline is not None:
             # The pipeline splits the step's batch back into grad_accum microbatches.
+            t0 = time.perf_counter()
             prepared = [self.prepare(b) for b in batches]
+            self.local_s += time.perf_counter() - t0
             flops = sum(self.flops_fn(p[0]) for p in prepared) if self.flops_fn else 0.0
             inputs = tuple(torch.cat(parts) for parts in zip(*(p[0] for p in prepared)))
             target = torch.cat([p[1] for p in prepared])
@@ -128,7 +139,9 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64)
         ddp = isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
         for micro, batch in enumerate(batches):
+            t0 = time.perf_counter()
             inputs, target = self.prepare(batch)  # one micro-batch's inputs alive at a time
+            self.local_s += time.perf_counter() - t0
             flops += self.flops_fn(inputs) if self.flops_fn else 0.0
             with self.model.no_sync() if ddp and micro < accum - 1 else contextlib.nullcontext():
                 with self.autocast():
@@ -155,8 +168,13 @@ class Trainer:
         it = iter(self.loader)
         bad_in_row = 0
         window_t0, window_samples, window_flops = time.perf_counter(), 0, 0.0
+        watchdog = HangWatchdog(tc.hang_timeout_s, cfg.run.dir, self.info.rank)
+        stragglers = StragglerMonitor(tc.straggler_every, tc.straggler_factor, self.info.world_size)
+        interval = CheckpointInterval(tc.ckpt_every, tc.mtbf_hours, start_step=self.step)
         try:
             while self.step < tc.steps:
+                watchdog.beat(f"step {self.step + 1}")
+                step_t0 = time.perf_counter()
                 lr = lr_at(self.step, tc.steps, cfg.optim)
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr
@@ -196,6 +214,12 @@ class Trainer:
                 window_samples += step_samples
                 window_flops += step_flops
                 log.advance()
+                interval.add_step_time(self.step, time.perf_counter() - step_t0)
+                stragglers.add(self.local_s)
+                report = stragglers.end_step(self.step)
+                if report is not None and report.slow:
+                    log.message(report.message())
+                    log.event(**report.event())
                 if self.step % tc.log_every == 0 or self.step == tc.steps:
                     elapsed = time.perf_counter() - window_t0
                     sps = window_samples / max(elapsed, 1e-9)
@@ -217,13 +241,26 @@ class Trainer:
                     log.close()
                     mdist.barrier()
                     os._exit(0)  # no final checkpoint, no cleanup: exactly what a kill leaves behind
-                if self.step % tc.ckpt_every == 0 or self.step == tc.steps:
+                if interval.due(self.step) or self.step == tc.steps:
+                    watchdog.beat(f"checkpoint at step {self.step}")
+                    t0 = time.perf_counter()
                     path = self.save()
-                    log.message(f"checkpoint {path}")
+                    blocked = time.perf_counter() - t0
+                    log.message(f"checkpoint {path} (step blocked {blocked:.3g} s"
+                                + (", written in the background)" if tc.ckpt_async else ")"))
+                    log.event(event="checkpoint", step=self.step, blocked_s=blocked, is_async=tc.ckpt_async)
+                    change = interval.after_save(self.step, blocked, self.ckpt.last_write_s)
+                    if change is not None:
+                        log.message(interval_message(change))
+                        log.event(**change)
                 if (tc.sample_every and self.step % tc.sample_every == 0) or self.step == tc.steps:
+                    watchdog.beat(f"sampling at step {self.step}")
                     self._sample()
                 if window_samples == 0:  # samples/s measures training steps, not saves or sampling
                     window_t0 = time.perf_counter()
+            watchdog.beat("the last checkpoint's write")
+            self.ckpt.wait()
         finally:
+            watchdog.close()
             log.close()
         return {"step": self.step, "skipped_steps": self.skipped_steps, "corrupt_samples": self.corrupt_total}

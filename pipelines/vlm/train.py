@@ -41,7 +41,8 @@ def stage_configs(cfg: VLMConfig) -> list[VLMConfig]:
             s.data.micro_batch_size = plan.micro_batch_size
         if plan.warmup_steps >= 0:
             s.optim.warmup_steps = plan.warmup_steps
-        s.train.ckpt_every = min(s.train.ckpt_every, plan.steps)
+        if s.train.ckpt_every != "auto":
+            s.train.ckpt_every = min(s.train.ckpt_every, plan.steps)
         s.validate()
         out.append(s)
         previous = s.run.dir

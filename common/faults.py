@@ -1,0 +1,258 @@
+"""Surviving faults in long multi-rank jobs: detection, the checkpoint interval, and injection.
+
+  HangWatchdog        a step (or collective) past train.hang_timeout_s: every thread's Python
+                      stack to stderr and <run.dir>/hang_rank<r>.txt, then os._exit(EXIT_HANG)
+                      so that torchrun --max-restarts restarts the job from its last checkpoint
+  StragglerMonitor    every train.straggler_every steps, the per-rank step times gathered and
+                      ranks slower than train.straggler_factor x the median named
+  young_daly_steps    train.ckpt_every=auto: sqrt(2 * save_s * MTBF) converted to steps
+  FaultInjector       MMP_FAULT_* environment variables: kill, hang or slow a rank at a step
+                      (tests and drills; nothing happens unless one is set)
+
+What a rank times for the straggler report is its rank-local part of a step: loading and
+preparing the step's micro-batches (decoding, frozen encoders, noise). The forward/backward
+cannot be timed per rank from the host: DDP waits for the slowest rank inside backward and
+FSDP inside forward, so every rank's wall time there is the slowest one's.
+"""
+from __future__ import annotations
+
+import faulthandler
+import math
+import os
+import signal
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+# EX_TEMPFAIL: "try again later" - a hang is not a bug in the config, a restart may well succeed.
+EXIT_HANG = 75
+_STDERR_FD = 2  # the process's stderr even where sys.stderr was replaced by an object without a fileno
+
+
+# --------------------------------------------------------------------------- hang watchdog
+class HangWatchdog:
+    """beat(what) at each unit of progress; no beat for `timeout_s` seconds ends the process.
+
+    A Python thread does the dump and the exit. In case the stuck call holds the GIL (a C
+    extension that never releases it) and that thread cannot run, faulthandler's C-level timer,
+    re-armed by the thread while beats arrive, dumps to stderr and exits `grace_s` later."""
+
+    def __init__(self, timeout_s: float, run_dir: str, rank: int, grace_s: float = 30.0):
+        self.timeout_s = float(timeout_s)
+        self.path = os.path.join(run_dir, f"hang_rank{rank}.txt")
+        self.rank = rank
+        self.grace_s = grace_s
+        self._what = "start"
+        self._last = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = None
+        if self.timeout_s > 0:
+            self._thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
+            self._thread.start()
+
+    def beat(self, what: str) -> None:
+        # Two attribute stores: no lock needed, the watcher reads a consistent-enough pair.
+        self._what = what
+        self._last = time.monotonic()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            faulthandler.cancel_dump_traceback_later()
+
+    def _watch(self) -> None:
+        poll = min(5.0, max(0.05, self.timeout_s / 20))
+        while not self._stop.wait(poll):
+            idle = time.monotonic() - self._last
+            if idle >= self.timeout_s:
+                self._fire(idle)
+            faulthandler.dump_traceback_later(self.timeout_s - idle + self.grace_s + poll, exit=True,
+                                              file=_STDERR_FD)
+
+    def _fire(self, idle: float) -> None:
+        head = (f"[rank {self.rank}] hang watchdog: no progress for {idle:.1f} s in {self._what} "
+                f"(train.hang_timeout_s={self.timeout_s:g}); stacks of every thread follow, exiting with "
+                f"code {EXIT_HANG} so the launcher can restart from the last checkpoint\n")
+        try:
+            with open(self.path, "a") as f:
+                f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} restart "
+                        f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}: {head}")
+                f.flush()
+                faulthandler.dump_traceback(file=f, all_threads=True)
+        finally:
+            os.write(_STDERR_FD, head.encode())
+            faulthandler.dump_traceback(file=_STDERR_FD, all_threads=True)
+            os._exit(EXIT_HANG)
+
+
+# --------------------------------------------------------------------------- stragglers
+@dataclass(frozen=True)
+class StragglerReport:
+    step: int
+    times_s: list[float]  # per rank, mean over the window
+    median_s: float
+    slow: list[int]  # ranks above factor x median
+    factor: float
+
+    def message(self) -> str:
+        names = ", ".join(f"rank {r} {self.times_s[r]:.3f} s ({self.times_s[r] / self.median_s:.1f}x)"
+                          for r in self.slow)
+        return (f"step {self.step}: straggler{'s' * (len(self.slow) > 1)} {names}; median rank-local step time "
+                f"{self.median_s:.3f} s (threshold {self.factor:g}x)")
+
+    def event(self) -> dict:
+        return {"event": "straggler", "step": self.step, "ranks": self.slow, "times_s": self.times_s,
+                "median_s": self.median_s, "factor": self.factor}
+
+
+def find_stragglers(times_s: list[float], factor: float, step: int) -> StragglerReport:
+    median = statistics.median(times_s)
+    slow = [r for r, t in enumerate(times_s) if t > factor * median] if median > 0 else []
+    return StragglerReport(step, list(times_s), median, slow, factor)
+
+
+class StragglerMonitor:
+    """Accumulates this rank's rank-local step time; every `every` steps all ranks gather theirs.
+    Every rank calls end_step at the same steps (the gather is a collective)."""
+
+    def __init__(self, every: int, factor: float, world_size: int):
+        self.every, self.factor, self.world_size = every, factor, world_size
+        self._sum, self._n = 0.0, 0
+
+    def add(self, seconds: float) -> None:
+        self._sum += seconds
+        self._n += 1
+
+    def end_step(self, step: int) -> StragglerReport | None:
+        if not self.every or self.world_size < 2 or step % self.every:
+            return None
+        mine = torch.tensor([self._sum / max(self._n, 1)], dtype=torch.float64)
+        self._sum, self._n = 0.0, 0
+        gathered = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        torch.distributed.all_gather(gathered, mine)
+        return find_stragglers([float(t) for t in gathered], self.factor, step)
+
+
+# --------------------------------------------------------------------------- checkpoint interval
+def young_daly_seconds(save_s: float, mtbf_s: float) -> float:
+    """Young's optimum interval between checkpoints, sqrt(2 C M): the save cost C against the
+    expected rework after a failure (half an interval every M seconds). Daly's refinement
+    (minus C, plus higher-order terms) changes it by under 1% while C < M / 20000, as here."""
+    return math.sqrt(2.0 * save_s * mtbf_s)
+
+
+def young_daly_steps(save_s: float, step_s: float, mtbf_hours: float, min_interval_s: float = 0.0) -> int:
+    """The interval in steps; min_interval_s: an async save cannot start before the previous one
+    finished writing."""
+    interval = max(young_daly_seconds(save_s, mtbf_hours * 3600.0), min_interval_s)
+    return max(1, round(interval / max(step_s, 1e-9)))
+
+
+class CheckpointInterval:
+    """train.ckpt_every: a fixed number of steps, or auto. With auto the first checkpoint comes
+    FIRST_SAVE_STEP steps after the start (or resume; its duration is the measurement), and each
+    later save updates the interval from the save and step times, the largest over ranks so that
+    every rank picks the same steps."""
+
+    FIRST_SAVE_STEP = 5  # the first step (allocations, compilation) is left out of the step time
+
+    def __init__(self, every: int | str, mtbf_hours: float, start_step: int = 0):
+        self.auto = every == "auto"
+        self.every = self.FIRST_SAVE_STEP if self.auto else int(every)
+        self.mtbf_hours = mtbf_hours
+        self.start_step = start_step
+        self.next_step = start_step + self.every
+        self._step_sum, self._steps = 0.0, 0
+
+    def add_step_time(self, step: int, seconds: float) -> None:
+        if step > self.start_step + 1:
+            self._step_sum += seconds
+            self._steps += 1
+
+    def due(self, step: int) -> bool:
+        return step >= self.next_step if self.auto else step % self.every == 0
+
+    def after_save(self, step: int, save_s: float, write_s: float) -> dict | None:
+        """Called by every rank after a save; with auto, returns the event describing the new
+        interval (save_s: the time the step blocked; write_s: until the data was on disk)."""
+        if not self.auto:
+            return None
+        step_s = self._step_sum / self._steps if self._steps else save_s
+        measured = torch.tensor([save_s, step_s, write_s], dtype=torch.float64)
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(measured, op=torch.distributed.ReduceOp.MAX)
+        save_s, step_s, write_s = (float(v) for v in measured)
+        self.every = young_daly_steps(save_s, step_s, self.mtbf_hours, min_interval_s=write_s)
+        self.next_step = step + self.every
+        return {"event": "ckpt_interval", "step": step, "every_steps": self.every, "save_s": save_s,
+                "step_s": step_s, "write_s": write_s, "mtbf_hours": self.mtbf_hours,
+                "interval_s": young_daly_seconds(save_s, self.mtbf_hours * 3600.0)}
+
+
+def interval_message(ev: dict) -> str:
+    return (f"checkpoint interval {ev['every_steps']} steps = max(sqrt(2 x save {ev['save_s']:.3g} s x MTBF "
+            f"{ev['mtbf_hours']:g} h) = {ev['interval_s']:.4g} s, write {ev['write_s']:.3g} s) / step "
+            f"{ev['step_s']:.4g} s (train.ckpt_every=auto)")
+
+
+# --------------------------------------------------------------------------- fault injection
+class FaultInjector:
+    """Faults on request, for tests and drills:
+
+      MMP_FAULT_KILL_AT_STEP=N    SIGKILL this process when it starts step N ...
+      MMP_FAULT_KILL_RANK=R       ... on rank R only (default 0); once per run directory: a marker
+                                  file (<run.dir>/fault_kill_step<N>.done) keeps a restarted attempt alive
+      MMP_FAULT_HANG_AT_STEP=N    sleep forever inside step N (MMP_FAULT_HANG_RANK=R, default: all ranks)
+      MMP_FAULT_SLOW_RANK=R       sleep MMP_FAULT_SLOW_S (default 0.3) seconds in every step of rank R
+      MMP_FAULT_KILL_IN_SAVE=N    SIGKILL rank 0 right after the checkpoint of step N started writing
+    """
+
+    def __init__(self, env: dict, run_dir: str, rank: int):
+        def num(name, cast=int, default=None):
+            raw = env.get(name, "")
+            return cast(raw) if raw != "" else default
+        self.rank = rank
+        self.kill_at = num("MMP_FAULT_KILL_AT_STEP")
+        self.kill_rank = num("MMP_FAULT_KILL_RANK", default=0)
+        self.kill_marker = os.path.join(run_dir, f"fault_kill_step{self.kill_at}.done")
+        self.hang_at = num("MMP_FAULT_HANG_AT_STEP")
+        self.hang_rank = num("MMP_FAULT_HANG_RANK")
+        self.slow_rank = num("MMP_FAULT_SLOW_RANK")
+        self.slow_s = num("MMP_FAULT_SLOW_S", float, 0.3)
+        self.kill_in_save = num("MMP_FAULT_KILL_IN_SAVE")
+
+    @classmethod
+    def from_env(cls, run_dir: str, rank: int) -> FaultInjector | None:
+        if not any(k.startswith("MMP_FAULT_") for k in os.environ):
+            return None
+        return cls(dict(os.environ), run_dir, rank)
+
+    def at_step(self, step: int) -> None:
+        """Called by the training loop as it starts step `step` (1-based)."""
+        if self.slow_rank == self.rank:
+            time.sleep(self.slow_s)
+        if self.kill_at == step and self.kill_rank == self.rank and not os.path.exists(self.kill_marker):
+            with open(self.kill_marker, "w") as f:
+                f.write(f"killed rank {self.rank} at step {step}\n")
+                f.flush()
+                os.fsync(f.fileno())
+            self._die(f"killing rank {self.rank} at step {step}")
+        if self.hang_at == step and self.hang_rank in (None, self.rank):
+            print(f"[rank {self.rank}] fault injection: hanging in step {step} at {time.time():.3f}",
+                  file=sys.stderr, flush=True)
+            while True:
+                time.sleep(3600)
+
+    def in_save(self, step: int) -> None:
+        """Called right after an asynchronous save of `step` was started."""
+        if self.kill_in_save == step and self.rank == 0:
+            self._die(f"killing rank 0 while checkpoint {step} is being written")
+
+    def _die(self, what: str) -> None:
+        print(f"[rank {self.rank}] fault injection: {what}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
