@@ -24,14 +24,20 @@ def lr_at(step: int, total_steps: int, optim_cfg) -> float:
     return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+# Parameters kept out of weight decay by name: scale/shift tables of adaLN modulation (common/nn/dit_block.py).
+NO_DECAY_NAMES = frozenset({"scale_shift_table"})
+
+
 def build_optimizer(model: torch.nn.Module, optim_cfg) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters only (frozen ones take no optimizer state)."""
     decay, no_decay = [], []
-    for _, p in model.named_parameters():
+    for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         # Norm gains, biases and tables of modulation offsets are not decayed (standard practice).
-        (decay if p.ndim >= 2 else no_decay).append(p)
+        # The adaLN tables are (6, D) / (2, D) matrices, so they are named, not told apart by ndim.
+        skip = p.ndim < 2 or name.rsplit(".", 1)[-1] in NO_DECAY_NAMES
+        (no_decay if skip else decay).append(p)
     groups = [{"params": decay, "weight_decay": optim_cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     # The foreach (multi-tensor) path cannot mix DTensors and plain tensors in one call, which

@@ -55,7 +55,8 @@ def train(spec: PipelineSpec, argv=None, cfg=None) -> int:
     prompts = [c for c, _ in first_examples(cfg.data.eval_shards, cfg.sample.num)] \
         if cfg.data.eval_shards and cfg.sample.num and spec.sample_hook is None else []
     if info.is_main:
-        print(f"{spec.name}: {spec.describe(comp)}, {n_params / 1e6:.2f}M params, {loader.num_samples} training "
+        name = f"{cfg.run.name}: " if cfg.run.name else ""  # run.name leads the start line (logs, job lists)
+        print(f"{name}{spec.name}: {spec.describe(comp)}, {n_params / 1e6:.2f}M params, {loader.num_samples} training "
               f"samples, world size {info.world_size} [{pm.dims.describe}], device {info.device}, "
               f"{info.precision.describe()}", flush=True)
         if lowp.report is not None:

@@ -74,10 +74,11 @@ def read_metrics(run_dir: str) -> dict[int, dict]:
     return out
 
 
-def final_weights(spec, run: str, step: int) -> dict:
-    """The run's final checkpoint (not EMA) loaded in one process: every shard gathered by DCP."""
+def final_weights(spec, run: str, step: int, use_ema: bool = False) -> dict:
+    """The run's final checkpoint loaded in one process (every shard gathered by DCP): the trained
+    weights, or with use_ema its EMA weights (what sample and eval use)."""
     from common.run import load_run
-    comp, meta = load_run(spec, run, use_ema=False)
+    comp, meta = load_run(spec, run, use_ema=use_ema)
     assert meta["step"] == step
     return {k: v.clone() for k, v in comp.model.state_dict().items()}
 

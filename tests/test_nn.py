@@ -1,8 +1,10 @@
-"""common.nn blocks: shapes, identity at init, masking, gradient flow."""
+"""common.nn blocks: outputs against written-out math, identity at init, masking, gradient flow."""
+import math
+
 import torch
 from torch import nn
 
-from common.kernels import rope_frequencies
+from common.kernels import apply_rope, rope_frequencies
 from common.nn import (MLP, CrossAttention, DiTBlock, FinalLayer, PatchEmbed2d, SelfAttention, SwiGLU,
                        TimestepEmbedder, patchify, unpatchify)
 
@@ -24,16 +26,71 @@ def _rope(n, hd=D // H):
     return rope_frequencies(torch.stack([r.flatten(), c.flatten()], -1), (hd // 2, hd // 2))
 
 
-def test_shapes():
+def _rms(x, w, eps=1e-6):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _modulate(x, shift, scale, eps=1e-6):
+    return torch.nn.functional.layer_norm(x, x.shape[-1:], eps=eps) * (1 + scale[:, None]) + shift[:, None]
+
+
+def _gelu_tanh(z):
+    return 0.5 * z * (1 + torch.tanh(math.sqrt(2 / math.pi) * (z + 0.044715 * z ** 3)))
+
+
+def _ref_attention(m, x, kv, rope=None, mask=None):
+    """Written-out multi-head attention with QK RMS-norm: what SelfAttention/CrossAttention compute."""
+    b, n, _ = x.shape
+    def heads(t):
+        return t.view(b, t.shape[1], m.heads, m.head_dim).transpose(1, 2)
+    q, k, v = heads(m.to_q(x)), heads(m.to_k(kv)), heads(m.to_v(kv))
+    q, k = _rms(q, m.q_norm.weight), _rms(k, m.k_norm.weight)
+    if rope is not None:
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    s = q @ k.transpose(-1, -2) / math.sqrt(m.head_dim)
+    if mask is not None:
+        s = s.masked_fill(~mask[:, None, None, :], float("-inf"))
+    return m.proj((torch.softmax(s, -1) @ v).transpose(1, 2).reshape(b, n, -1))
+
+
+def test_blocks_match_written_out_math():
+    """Every block (randomised, float64) against its formula written out here, not just its shape."""
     torch.manual_seed(0)
-    x, ctx = torch.randn(2, 16, D), torch.randn(2, 5, 24)
-    assert SelfAttention(D, H)(x, rope=_rope(16)).shape == x.shape
-    assert CrossAttention(D, H, 24)(x, ctx).shape == x.shape
-    assert MLP(D, 64)(x).shape == x.shape and SwiGLU(D, 48)(x).shape == x.shape
-    blk = DiTBlock(D, H, context_dim=24)
-    assert blk(x, torch.randn(2, 6 * D), ctx, None, _rope(16)).shape == x.shape
-    assert FinalLayer(D, 12)(x, torch.randn(2, D)).shape == (2, 16, 12)
-    assert TimestepEmbedder(D)(torch.rand(2)).shape == (2, D)
+    x, ctx = torch.randn(2, 16, D, dtype=torch.float64), torch.randn(2, 5, 24, dtype=torch.float64)
+    mask = torch.tensor([[True] * 5, [True, True, True, False, False]])
+    rope = tuple(t.double() for t in _rope(16))
+    close = dict(atol=1e-10, rtol=1e-10)
+
+    attn = _randomize(SelfAttention(D, H)).double()
+    torch.testing.assert_close(attn(x, rope=rope), _ref_attention(attn, x, x, rope), **close)
+    cross = _randomize(CrossAttention(D, H, 24)).double()
+    torch.testing.assert_close(cross(x, ctx, mask), _ref_attention(cross, x, ctx, mask=mask), **close)
+    mlp = _randomize(MLP(D, 64)).double()
+    torch.testing.assert_close(mlp(x), mlp.fc2(_gelu_tanh(mlp.fc1(x))), **close)
+    glu = _randomize(SwiGLU(D, 48)).double()
+    a, g = glu.w1(x), glu.w3(x)
+    torch.testing.assert_close(glu(x), glu.w2(a * torch.sigmoid(a) * g), **close)
+
+    blk = _randomize(DiTBlock(D, H, context_dim=24)).double()
+    t0 = torch.randn(2, 6 * D, dtype=torch.float64)
+    sm, cm, gm, sf, cf, gf = (blk.scale_shift_table[None] + t0.view(2, 6, D)).unbind(1)
+    ref = x + gm[:, None] * _ref_attention(blk.attn, _modulate(x, sm, cm), _modulate(x, sm, cm), rope)
+    ln = torch.nn.functional.layer_norm(ref, (D,), blk.norm_cross.weight, blk.norm_cross.bias, eps=1e-6)
+    ref = ref + _ref_attention(blk.cross_attn, ln, ctx, mask=mask)
+    ref = ref + gf[:, None] * blk.mlp.fc2(_gelu_tanh(blk.mlp.fc1(_modulate(ref, sf, cf))))
+    torch.testing.assert_close(blk(x, t0, ctx, mask, rope), ref, **close)
+
+    fin = _randomize(FinalLayer(D, 12)).double()
+    temb = torch.randn(2, D, dtype=torch.float64)
+    shift, scale = (fin.scale_shift_table[None] + temb[:, None]).unbind(1)
+    torch.testing.assert_close(fin(x, temb), fin.linear(_modulate(x, shift, scale)), **close)
+
+    emb = _randomize(TimestepEmbedder(D)).float()
+    t = torch.tensor([0.0, 0.25, 1.0])
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(128) / 128)
+    arg = 1000.0 * t[:, None] * freqs
+    sincos = torch.cat([torch.cos(arg), torch.sin(arg)], -1)
+    torch.testing.assert_close(emb(t), emb.mlp[2](torch.nn.functional.silu(emb.mlp[0](sincos))), atol=1e-5, rtol=1e-5)
 
 
 def test_patch_roundtrip_and_embed_modes_agree():

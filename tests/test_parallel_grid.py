@@ -4,7 +4,9 @@ Each layout runs the real entrypoint under torchrun (gloo, fp32, at most 4 ranks
 steps with the same global batch (8 samples) and seed as the single-process run. Per step, the
 loss and the gradient norm must match within rtol 1e-5; afterwards the checkpoint, loaded into
 one process (so every shard is gathered to a full tensor by DCP), must hold the same weights
-(rtol 1e-5, atol 1e-6). Only the order of floating-point reductions differs between layouts.
+(rtol 1e-5, atol 1e-6), and the same EMA weights (what sample and eval use; train.ema_decay=0.9
+with its warmup keeps them apart from the weights). Only the order of floating-point reductions
+differs between layouts.
 
 A checkpoint written under one layout must resume under another with the losses continuing as
 if uninterrupted; the data loader's position is a global sample count, so changing the DP
@@ -86,21 +88,51 @@ def single_run(synth_data, tmp_path_factory):
     return run
 
 
-def final_weights(run: str, step: int) -> dict[str, torch.Tensor]:
+_loaded: dict[tuple, dict[str, torch.Tensor]] = {}
+
+
+def final_weights(run: str, step: int, use_ema: bool = False) -> dict[str, torch.Tensor]:
+    """Cached: the reference runs are compared with every layout (each run has its own directory)."""
     from pipelines.text2image.spec import SPEC
-    return conftest_final_weights(SPEC, run, step)
+    key = (run, step, use_ema)
+    if key not in _loaded:
+        _loaded[key] = conftest_final_weights(SPEC, run, step, use_ema)
+    return _loaded[key]
+
+
+def assert_same_weights(ref_run: str, run: str, step: int) -> None:
+    """The final weights and the final EMA weights of `run` equal those of `ref_run`."""
+    for use_ema in (False, True):
+        ref_w, par_w = final_weights(ref_run, step, use_ema), final_weights(run, step, use_ema)
+        assert ref_w.keys() == par_w.keys()
+        for name in ref_w:
+            torch.testing.assert_close(par_w[name], ref_w[name], rtol=1e-5, atol=1e-6,
+                                       msg=f"{'EMA ' if use_ema else ''}{name}")
+
+
+@pytest.fixture(scope="module")
+def ema_is_distinct():
+    """Checks once per reference run that its EMA weights differ from its weights (else comparing
+    EMA would prove nothing)."""
+    checked = set()
+
+    def check(run: str, step: int) -> None:
+        if run not in checked:
+            w, ema = final_weights(run, step), final_weights(run, step, use_ema=True)
+            gap = max((w[n] - ema[n]).abs().max().item() for n in w)
+            assert gap > 1e-5, f"EMA within {gap} of the weights"
+            checked.add(run)
+    return check
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_matches_single_process(single_run, synth_data, tmp_path, layout):
+def test_layout_matches_single_process(single_run, synth_data, tmp_path, layout, ema_is_distinct):
     nproc, overrides = LAYOUTS[layout]
     run = str(tmp_path / "run")
     run_train(run, synth_data, *COMMON, *overrides, nproc=nproc)
     assert_same_training(single_run, run, range(1, STEPS + 1))
-    ref_w, par_w = final_weights(single_run, STEPS), final_weights(run, STEPS)
-    assert ref_w.keys() == par_w.keys()
-    for name in ref_w:
-        torch.testing.assert_close(par_w[name], ref_w[name], rtol=1e-5, atol=1e-6, msg=name)
+    ema_is_distinct(single_run, STEPS)
+    assert_same_weights(single_run, run, STEPS)
 
 
 RESUME_STEPS = 6
@@ -125,7 +157,8 @@ def fsdp_checkpoint(synth_data, tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout", ["single", "tp2", "fsdp4", "pp2"])
-def test_checkpoint_resumes_under_another_layout(uninterrupted, fsdp_checkpoint, synth_data, tmp_path, layout):
+def test_checkpoint_resumes_under_another_layout(uninterrupted, fsdp_checkpoint, synth_data, tmp_path, layout,
+                                                ema_is_distinct):
     import shutil
     nproc, overrides = {"single": (1, ["data.micro_batch_size=8"]),
                         "tp2": (2, ["data.micro_batch_size=8", "parallel.tp=2"]),
@@ -136,9 +169,8 @@ def test_checkpoint_resumes_under_another_layout(uninterrupted, fsdp_checkpoint,
     run_train(run, synth_data, *RESUME_COMMON, "run.resume=auto", *overrides, nproc=nproc)
     # The resumed part (steps 4-6) continues as if the FSDP run had never stopped.
     assert_same_training(uninterrupted, run, range(4, RESUME_STEPS + 1))
-    ref_w, par_w = final_weights(uninterrupted, RESUME_STEPS), final_weights(run, RESUME_STEPS)
-    for name in ref_w:
-        torch.testing.assert_close(par_w[name], ref_w[name], rtol=1e-5, atol=1e-6, msg=name)
+    ema_is_distinct(uninterrupted, RESUME_STEPS)
+    assert_same_weights(uninterrupted, run, RESUME_STEPS)  # the EMA too: saved under FSDP, resharded
 
 
 def test_checkpoint_chain_across_compositions(uninterrupted, synth_data, tmp_path):
@@ -157,6 +189,4 @@ def test_checkpoint_chain_across_compositions(uninterrupted, synth_data, tmp_pat
         resumed_at = [rec["step"] for rec in map(json.loads, f) if rec.get("event") == "resume"]
     assert resumed_at == [2, 4], resumed_at
     assert_same_training(uninterrupted, run, range(1, RESUME_STEPS + 1))
-    ref_w, par_w = final_weights(uninterrupted, RESUME_STEPS), final_weights(run, RESUME_STEPS)
-    for name in ref_w:
-        torch.testing.assert_close(par_w[name], ref_w[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert_same_weights(uninterrupted, run, RESUME_STEPS)

@@ -50,6 +50,8 @@ def parallelize_vlm(model, cfg, info: DistInfo, *, microbatches: int = 1, criter
                               "use dp_mode=fsdp (or auto)")
         dims = dataclasses.replace(dims, dp_mode="fsdp")
     check_layout(dims, cfg, {}, name or type(model).__name__)
+    if cfg.cpu_offload:  # _shard does not pass an offload policy: refused rather than ignored
+        raise ConfigError("parallel.cpu_offload=true is not built for the vision-language model; use cpu_offload=false")
     lc = model.lm.cfg
     dims.check_model(heads=lc.n_heads, kv_heads=lc.kv_heads, layers=lc.n_layers, microbatches=microbatches)
     if info.world_size == 1:

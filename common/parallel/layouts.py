@@ -3,7 +3,9 @@
 Two kinds of refusal, both a one-line ConfigError naming the degrees: combinations of mechanisms
 not built (or not proved against the single-process run) yet, for every model; and dimensions a
 model's plan cannot use, which the model declares as `parallel_limits() -> {dim: reason}`.
-Layouts that do not divide (heads, tokens, layers, microbatches) are ParallelDims.check_model's.
+A third: options that would do nothing in the layout (FSDP's without FSDP), so a user never
+believes a setting is in effect that is not. Layouts that do not divide (heads, tokens, layers,
+microbatches) are ParallelDims.check_model's.
 
 Composed and proved (tests/test_parallel_grid.py, tests/test_vlm_parallel.py: loss and grad norm
 per step and final weights equal to one process at rtol 1e-5, gloo, 2 to 8 ranks):
@@ -45,3 +47,20 @@ def check_layout(dims: ParallelDims, parallel_cfg, limits: dict[str, str], name:
     why = not_built(dims, parallel_cfg.compile, getattr(parallel_cfg, "cpu_offload", False))
     if why:
         raise ConfigError(why)
+    why = ineffective(dims, parallel_cfg)
+    if why:
+        raise ConfigError(why)
+
+
+def ineffective(dims: ParallelDims, parallel_cfg) -> str | None:
+    """Why an option set away from its default would do nothing in this layout (None: none would).
+    FSDP's options act only on sharded units: under DDP (also PP x DDP, whose stages sit on a
+    shard group of one) or no data parallelism, nothing is sharded, offloaded or resharded."""
+    if dims.dp_mode == "fsdp":
+        return None
+    for key, value, default in (("cpu_offload", getattr(parallel_cfg, "cpu_offload", False), False),
+                                ("reshard_after_forward", getattr(parallel_cfg, "reshard_after_forward", True), True)):
+        if value != default:
+            return (f"parallel.{key}={str(value).lower()} does nothing in the layout {dims.describe}: "
+                    f"it is an FSDP option; set parallel.dp_mode=fsdp or leave {key}={str(default).lower()}")
+    return None

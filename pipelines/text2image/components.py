@@ -19,6 +19,8 @@ from pipelines.text2image.config import T2IConfig
 from pipelines.text2image.model import DiT, dit_config
 
 PIPELINE = "text2image"
+# Per-sample stream of the VAE posterior sample (common/diffusion/noise.py uses salts 1-3).
+SALT_LATENT = 4
 
 
 @dataclass
@@ -85,7 +87,14 @@ def encode_images(comp: Components, batch: dict, device) -> torch.Tensor:
         return batch["image"].to(device)
     if "latent" in batch:
         return batch["latent"].to(device) * comp.latent_scale
-    return comp.vae.encode(batch["image"].to(device)).latent_dist.sample() * comp.latent_scale
+    posterior = comp.vae.encode(batch["image"].to(device)).latent_dist
+    # The posterior sample's noise comes from each sample's own seed (as the diffusion noise does),
+    # not from the global RNG, which is seeded per rank: the same sample gets the same latent under
+    # any layout, DP degree and resume.
+    seeds = dnoise.sample_seeds(comp.cfg.run.seed, batch["__position__"])
+    eps = dnoise.per_sample_randn(seeds, posterior.mean.shape[1:], SALT_LATENT, device=posterior.mean.device,
+                                  dtype=posterior.mean.dtype)
+    return (posterior.mean + posterior.std * eps) * comp.latent_scale
 
 
 def make_step_fns(comp: Components, device):

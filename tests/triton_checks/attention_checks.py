@@ -3,7 +3,7 @@
 Run in its own process, since TRITON_INTERPRET must be set before triton is imported:
     TRITON_INTERPRET=1 python tests/triton_checks/attention_checks.py --device cpu
     python tests/triton_checks/attention_checks.py --device cuda
-Options: --seed N (reproduce a run), --groups a,b (subset). Prints one JSON line per case and
+Options: --seed N (default 0; random draws one), --groups a,b (subset). Prints one JSON line per case and
 exits 1 when any case fails. tests/test_triton_attention.py runs it and asserts per group.
 
 Criterion (the FlashAttention project's rule): for out, lse, dq, dk, dv the max abs error of the
@@ -213,7 +213,7 @@ def run_case(case, device, seed):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--seed", default="0", help="input seed (default 0: the same inputs every run) or random")
     ap.add_argument("--groups", default="")
     args = ap.parse_args(argv)
     if args.device == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
@@ -225,7 +225,7 @@ def main(argv=None) -> int:
     if args.device == "cpu":
         assert fa.interpreted(), "TRITON_INTERPRET=1 was not seen by triton"
         torch.set_num_threads(1)  # tiny matmuls; threads only add contention on a shared machine
-    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    seed = int.from_bytes(os.urandom(4), "little") if args.seed == "random" else int(args.seed)
     groups = set(filter(None, args.groups.split(",")))
     failed = 0
     for i, case in enumerate(cases(args.device)):

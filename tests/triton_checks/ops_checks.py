@@ -109,7 +109,7 @@ def compile_sm90() -> int:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--seed", default="0", help="input seed (default 0: the same inputs every run) or random")
     ap.add_argument("--compile-sm90", action="store_true")
     args = ap.parse_args()
     if args.compile_sm90:
@@ -131,7 +131,7 @@ def main() -> int:
     from common.kernels.triton import cross_entropy as tce
     from common.kernels.triton import norm as tnorm
 
-    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    seed = int.from_bytes(os.urandom(4), "little") if args.seed == "random" else int(args.seed)
     torch.manual_seed(seed)
     dev = torch.device(args.device)
     if dev.type == "cuda":
