@@ -2,15 +2,33 @@
 
 Layout under `<run.dir>/checkpoints/`:
   step_00000100/        a complete checkpoint: torch.distributed.checkpoint shards (model,
-                        optimizer, EMA, frozen modules), rng_rank<r>.pt, meta.json (step, loader
-                        state, model signature, resolved config)
+                        optimizer, EMA, frozen modules), rng_rank<r>.pt + rng_rank<r>.json (global
+                        RNG states as tensors + JSON), meta.json (step, loader state, model
+                        signature, resolved config)
   step_00000200.tmp/    being written (or died while being written): never picked, removed later
+  step_00000100.old/    the copy a re-save of step 100 replaces; put back by the next start if the
+                        re-save died before its rename
   latest                name of the newest complete checkpoint, replaced atomically
 
 A checkpoint becomes visible only by the rename of its finished .tmp directory, after every rank
 has written its part and meta.json is on disk, so a process killed mid-save leaves the previous
-checkpoint as `latest`. DCP files are sharded per rank and resharded on load, so a checkpoint
-written under one parallel layout loads under another.
+checkpoint as `latest`. Files and directories are fsynced before each rename that publishes
+them. DCP files are sharded per rank and resharded on load, so a checkpoint written under one
+parallel layout loads under another.
+
+Trust: RNG state is loaded with torch.load(weights_only=True) and meta.json is JSON, but DCP's
+.metadata file is a pickle: load only checkpoints from places you trust. Checkpoints written
+before RNG state became tensors + JSON hold a pickled rng_rank<r>.pt, never unpickled on resume:
+resuming from one under its own world size (where the RNG state is restored) is refused with one
+line until `python -m common.checkpoint convert-rng PATH`, run by someone who trusts PATH,
+rewrote it; under another world size it resumes as before (RNG state is not restored there).
+
+Retention (train.keep_last = K): after each save, of the checkpoints at or below the step just
+written, the K highest stay. Checkpoints above it are from a timeline given up by resuming from
+an older step (or by a fresh start in a used run dir): they stay while the new run is behind
+them (a resume from the wrong checkpoint can still go back) and are removed once the new run
+passes them, or replaced when it re-saves their step, so that no step order ever mixes two
+timelines. The checkpoint just written and the one `latest` names are never removed.
 
 Asynchronous saves (train.ckpt_async): the step blocks only while DCP stages a copy of the state
 in CPU memory; a DCP thread writes it over a gloo group of its own (the training's collectives
@@ -41,8 +59,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from common import dist as mdist
+from common.faults import in_sync_save
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_OLD_DIR = re.compile(r"^(step_\d{8})\.old$")
 META = "meta.json"
 
 
@@ -57,6 +77,15 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used for this run; printed as one line."""
 
 
+def _fsync_dir(path: str) -> None:
+    """Make the entries of directory `path` (files created or renamed in it) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _fsync_write(path: str, text: str) -> None:
     tmp = path + ".partial"
     with open(tmp, "w") as f:
@@ -64,6 +93,66 @@ def _fsync_write(path: str, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
+def _step_of(path: str) -> int:
+    return int(_STEP_DIR.match(os.path.basename(path.rstrip("/"))).group(1))
+
+
+def _rng_files(path: str, rank: int) -> tuple[str, str]:
+    return os.path.join(path, f"rng_rank{rank}.pt"), os.path.join(path, f"rng_rank{rank}.json")
+
+
+def _write_rng(path: str, rank: int, tensors: dict[str, torch.Tensor], info: dict) -> None:
+    pt, js = _rng_files(path, rank)
+    with open(pt, "wb") as f:
+        torch.save(tensors, f)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_write(js, json.dumps(info))
+
+
+def _read_rng(path: str, rank: int) -> tuple[dict[str, torch.Tensor], dict] | None:
+    """This rank's RNG state in `path`, never unpickled: None if the checkpoint holds none."""
+    pt, js = _rng_files(path, rank)
+    if not os.path.isfile(pt):
+        return None
+    if not os.path.isfile(js):
+        raise CheckpointError(
+            f"{pt} holds RNG state in the old pickled format, which is not loaded because unpickling "
+            f"can run code; if this checkpoint comes from a place you trust, convert it once with: "
+            f"python -m common.checkpoint convert-rng {path}")
+    try:
+        tensors = torch.load(pt, map_location="cpu", weights_only=True)
+        with open(js) as f:
+            info = json.load(f)
+    except Exception as e:
+        raise CheckpointError(f"{path}: unreadable RNG state of rank {rank}: "
+                              f"{(str(e).splitlines() or [type(e).__name__])[0][:300]}") from None
+    return tensors, info
+
+
+def convert_legacy_rng(path: str) -> int:
+    """Rewrite the pickled rng_rank<r>.pt files of checkpoint `path` (written before RNG state
+    became tensors + JSON) in the current format; returns how many were converted. Unpickles
+    them: only for checkpoints from places you trust."""
+    done = 0
+    for name in sorted(os.listdir(path)):
+        m = re.match(r"^rng_rank(\d+)\.pt$", name)
+        if not m or os.path.isfile(_rng_files(path, int(m.group(1)))[1]):
+            continue
+        legacy = torch.load(os.path.join(path, name), map_location="cpu", weights_only=False)
+        tensors, info = mdist.rng_state_from_legacy(legacy)
+        partial = os.path.join(path, name + ".partial")
+        with open(partial, "wb") as f:
+            torch.save(tensors, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, os.path.join(path, name))
+        _fsync_write(_rng_files(path, int(m.group(1)))[1], json.dumps(info))
+        done += 1
+    return done
 
 
 def is_complete(path: str) -> bool:
@@ -151,9 +240,27 @@ class CheckpointManager:
             self._pg = torch.distributed.new_group(backend="gloo")
         elif async_save:  # DCP warns from its writer thread, where catch_warnings cannot reach
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        # Steps of checkpoints above the resumed (or first saved) step: see Retention above.
+        self._abandoned: set[int] = set()
         if info.is_main:
             os.makedirs(root, exist_ok=True)
+            self._recover_replaced()
         mdist.barrier()
+
+    def _recover_replaced(self) -> None:
+        """A re-save killed between its two renames left step_N.old and no complete step_N:
+        the old copy is still the valid one. Otherwise the .old copy is a leftover."""
+        for d in os.listdir(self.root):
+            m = _OLD_DIR.match(d)
+            if not m:
+                continue
+            old, final = os.path.join(self.root, d), os.path.join(self.root, m.group(1))
+            if not is_complete(final) and os.path.isfile(os.path.join(old, META)):
+                shutil.rmtree(final, ignore_errors=True)
+                os.rename(old, final)
+                _fsync_dir(self.root)
+            else:
+                shutil.rmtree(old, ignore_errors=True)
 
     # ------------------------------------------------------------------ resolve
     def resolve(self, resume: str) -> str | None:
@@ -185,7 +292,7 @@ class CheckpointManager:
             "optim": get_optimizer_state_dict(model, optimizer),
             **tensors,
         })
-        torch.save(mdist.rng_state(), os.path.join(tmp, f"rng_rank{self.info.rank}.pt"))
+        _write_rng(tmp, self.info.rank, *mdist.rng_state())
         full_meta = {"step": step, "signature": self.signature, "world_size": self.info.world_size,
                      "time": time.time(), **meta}
         if self.async_save:
@@ -200,6 +307,7 @@ class CheckpointManager:
                 self.on_async_start(step)
             return final
         _quiet_single_process(dcp.save, state, checkpoint_id=tmp)
+        in_sync_save(step, self.info.rank, tmp)  # fault injection (tests): no-op unless MMP_FAULT_* is set
         mdist.barrier()
         if self.info.is_main:
             self._finalize(tmp, final, name, full_meta)
@@ -217,17 +325,47 @@ class CheckpointManager:
 
     def _finalize(self, tmp: str, final: str, name: str, full_meta: dict) -> None:
         """Rank 0, once every rank's data is in `tmp`: meta.json, rename, latest, retention."""
+        # meta.json's fsync also syncs `tmp` itself: the entries of every rank's files.
         _fsync_write(os.path.join(tmp, META), json.dumps(full_meta, indent=1, default=str))
-        if os.path.exists(final):  # re-saving a step after a resume: replace the older copy
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_write(os.path.join(self.root, "latest"), name + "\n")
-        self._retain()
-
-    def _retain(self) -> None:
-        done = list_complete(self.root)
-        for old in done[: -self.keep_last]:
+        if os.path.exists(final):
+            # Re-saving a step (after a resume): the old copy goes aside first, so that at every
+            # moment one complete copy exists (__init__ puts it back if we die in between).
+            old = final + ".old"
             shutil.rmtree(old, ignore_errors=True)
+            os.rename(final, old)
+            os.rename(tmp, final)
+            _fsync_dir(self.root)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, final)
+            _fsync_dir(self.root)
+        _fsync_write(os.path.join(self.root, "latest"), name + "\n")
+        self._retain(final)
+
+    def _note_abandoned(self, step: int) -> None:
+        self._abandoned.update(_step_of(p) for p in list_complete(self.root) if _step_of(p) > step)
+
+    def _retain(self, written: str) -> None:
+        """See Retention in the module docstring."""
+        step = _step_of(written)
+        self._note_abandoned(step)
+        self._abandoned.discard(step)  # re-saved: this step is the new timeline's now
+        keep = {os.path.realpath(written)}
+        pointed = latest_complete(self.root)
+        if pointed is not None:
+            keep.add(os.path.realpath(pointed))
+        current = []
+        for p in list_complete(self.root):
+            s = _step_of(p)
+            if s in self._abandoned:
+                if s < step and os.path.realpath(p) not in keep:  # passed by the new timeline
+                    shutil.rmtree(p, ignore_errors=True)
+                    self._abandoned.discard(s)
+            elif s <= step:
+                current.append(p)
+        for old in current[: -self.keep_last]:
+            if os.path.realpath(old) not in keep:
+                shutil.rmtree(old, ignore_errors=True)
         for d in os.listdir(self.root):  # leftovers of saves that died mid-way
             if d.endswith(".tmp"):
                 shutil.rmtree(os.path.join(self.root, d), ignore_errors=True)
@@ -236,6 +374,8 @@ class CheckpointManager:
     def load(self, path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              tensors: dict[str, dict[str, torch.Tensor]]) -> dict:
         meta = self.check_signature(path)
+        if self.info.is_main:  # what lies above the resumed step is another timeline
+            self._note_abandoned(int(meta.get("step", 0)))
         state = _plain({
             "model": get_model_state_dict(model),
             "optim": get_optimizer_state_dict(model, optimizer),
@@ -251,9 +391,14 @@ class CheckpointManager:
             for name, t in state[key].items():
                 if sd[name] is not t:
                     sd[name].copy_(t)
-        rng_file = os.path.join(path, f"rng_rank{self.info.rank}.pt")
-        if os.path.isfile(rng_file) and meta.get("world_size") == self.info.world_size:
-            mdist.set_rng_state(torch.load(rng_file, weights_only=False))
+        if meta.get("world_size") == self.info.world_size:
+            rng = _read_rng(path, self.info.rank)
+            if rng is not None:
+                try:
+                    mdist.set_rng_state(*rng)
+                except (KeyError, TypeError, ValueError, RuntimeError) as e:
+                    raise CheckpointError(f"{path}: bad RNG state of rank {self.info.rank}: "
+                                          f"{type(e).__name__}: {str(e)[:200]}") from None
         return meta
 
 
@@ -312,3 +457,25 @@ def load_for_inference(path: str, model: torch.nn.Module, frozen: dict[str, torc
     model.eval()
     return meta
 
+
+def _main(argv: list[str] | None = None) -> int:
+    import argparse
+    p = argparse.ArgumentParser(prog="python -m common.checkpoint",
+                                description="checkpoint maintenance")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("convert-rng", help="rewrite the pickled RNG files of checkpoints written before "
+                       "RNG state became tensors + JSON (unpickles them: trusted checkpoints only)")
+    c.add_argument("path", help="a checkpoint directory, or a run / checkpoints dir (every checkpoint in it)")
+    args = p.parse_args(argv)
+    paths = [args.path] if is_complete(args.path) else (
+        list_complete(args.path) or list_complete(os.path.join(args.path, "checkpoints")))
+    if not paths:
+        print(f"error: no complete checkpoint at {args.path}", file=sys.stderr)
+        return 2
+    for path in paths:
+        print(f"{path}: converted {convert_legacy_rng(path)} RNG file(s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -1,6 +1,7 @@
 """Entrypoint wrapper: user mistakes become one line on stderr and exit code 2, not a traceback."""
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from typing import Callable
@@ -14,13 +15,42 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     return (ConfigError, DataError, CheckpointError, TrainingError, FileNotFoundError)
 
 
+# Failures of the storage rather than of the program: a full disk, quota, read-only or
+# unwritable run directory. One line naming the file; the run's last checkpoint stays usable.
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO})
+
+
+def storage_error(e: BaseException) -> str | None:
+    """The one-line message for a storage failure (also one raised inside a DCP save, which
+    wraps every rank's exception with its traceback), else None."""
+    if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS:
+        where = f": {e.filename}" if e.filename else ""
+        return f"cannot write{where}: {e.strerror} (disk full or run directory not writable?)"
+    failures = getattr(e, "failures", None)
+    if type(e).__name__ == "CheckpointException" and isinstance(failures, dict):
+        for rank, (exc, _trace) in sorted(failures.items()):
+            inner = storage_error(exc)
+            if inner is not None:
+                return f"checkpoint save failed on rank {rank}: {inner}"
+        rank, (exc, _trace) = sorted(failures.items())[0]
+        return f"checkpoint save failed on rank {rank}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+    return None
+
+
+def _fail(message: str) -> None:
+    rank = os.environ.get("RANK")
+    prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
+    print(f"{prefix}error: {message}", file=sys.stderr, flush=True)
+
+
 def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> None:
     try:
         code = main(argv)
-    except user_error_types() as e:  # noqa: B030 - computed tuple of exception types
-        rank = os.environ.get("RANK")
-        prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
-        print(f"{prefix}error: {e}", file=sys.stderr, flush=True)
+    except BaseException as e:  # noqa: B036 - DCP's CheckpointException derives from BaseException
+        message = str(e) if isinstance(e, user_error_types()) else storage_error(e)
+        if message is None:
+            raise
+        _fail(message)
         if os.environ.get("MMP_TRACEBACK"):
             raise
         from common.dist import teardown

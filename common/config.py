@@ -35,7 +35,7 @@ class RunConfig:
     dir: str = doc("runs/default", "run directory: config.yaml, metrics.jsonl, checkpoints/, tb/, samples/")
     seed: int = doc(0, "global seed; per-sample noise is seeded from (seed, global sample position)")
     resume: str = doc("auto", "auto: latest complete checkpoint in run.dir if any; none: start fresh; or a checkpoint path")
-    name: str = doc("", "free-form run name shown in logs")
+    name: str = doc("", "free-form run name: leads the run's start line in the console log")
 
 
 @dataclass
@@ -240,6 +240,8 @@ def check_run_config(cfg, positive: dict, choices: dict) -> None:
     tc = cfg.train
     if isinstance(tc.ckpt_every, str) and tc.ckpt_every != "auto":
         raise ConfigError(f"train.ckpt_every={tc.ckpt_every!r} must be a number of steps or auto")
+    if not 0 <= cfg.run.seed < 2**63:  # torch.Generator and the per-sample seeds take 63 bits
+        raise ConfigError(f"run.seed={cfg.run.seed} must be in [0, 2^63)")
     positive = {"data.micro_batch_size": cfg.data.micro_batch_size, "train.steps": tc.steps,
                 "train.grad_accum": tc.grad_accum, "train.log_every": tc.log_every,
                 "train.mtbf_hours": tc.mtbf_hours, **positive}

@@ -184,16 +184,44 @@ def seed_everything(seed: int, rank: int = 0) -> None:
     torch.manual_seed(s)
 
 
-def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+RNG_FORMAT = 1
+
+
+def rng_state() -> tuple[dict[str, torch.Tensor], dict]:
+    """This process's global RNG states as (tensors, JSON-able dict), so that a checkpoint stores
+    them without pickle and loads them with torch.load(weights_only=True): torch's CPU and CUDA
+    generator states are uint8 tensors; Python's Mersenne Twister and numpy's legacy state are
+    integers (and a cached float, exact through JSON's shortest round-trip repr)."""
+    legacy = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+        legacy["cuda"] = torch.cuda.get_rng_state_all()
+    return rng_state_from_legacy(legacy)
 
 
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+def rng_state_from_legacy(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """The (tensors, JSON) form of the dict that checkpoints pickled before (python, numpy,
+    torch and optionally cuda states)."""
+    version, mt, gauss_next = state["python"]
+    bit_generator, key, pos, has_gauss, cached = state["numpy"]
+    tensors = {"torch": state["torch"].clone()}
+    for i, s in enumerate(state.get("cuda", [])):
+        tensors[f"cuda{i}"] = s.clone()
+    info = {"format": RNG_FORMAT, "cuda_devices": len(state.get("cuda", [])),
+            "python": {"version": int(version), "state": [int(x) for x in mt], "gauss_next": gauss_next},
+            "numpy": {"bit_generator": str(bit_generator), "key": [int(x) for x in key], "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
+    return tensors, info
+
+
+def set_rng_state(tensors: dict[str, torch.Tensor], info: dict) -> None:
+    """Inverse of rng_state(). CUDA states are restored for the devices both runs have."""
+    if info.get("format") != RNG_FORMAT:
+        raise ValueError(f"RNG state format {info.get('format')!r} is not supported (expected {RNG_FORMAT})")
+    py, npy = info["python"], info["numpy"]
+    random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
+    np.random.set_state((npy["bit_generator"], np.asarray(npy["key"], dtype=np.uint32), npy["pos"],
+                         npy["has_gauss"], npy["cached_gaussian"]))
+    torch.set_rng_state(tensors["torch"])
+    if torch.cuda.is_available():
+        for i in range(min(int(info.get("cuda_devices", 0)), torch.cuda.device_count())):
+            torch.cuda.set_rng_state(tensors[f"cuda{i}"], i)

@@ -16,7 +16,9 @@ FSDP inside forward, so every rank's wall time there is the slowest one's.
 """
 from __future__ import annotations
 
+import errno
 import faulthandler
+import json
 import math
 import os
 import signal
@@ -210,6 +212,13 @@ class FaultInjector:
       MMP_FAULT_HANG_AT_STEP=N    sleep forever inside step N (MMP_FAULT_HANG_RANK=R, default: all ranks)
       MMP_FAULT_SLOW_RANK=R       sleep MMP_FAULT_SLOW_S (default 0.3) seconds in every step of rank R
       MMP_FAULT_KILL_IN_SAVE=N    SIGKILL rank 0 right after the checkpoint of step N started writing
+      MMP_FAULT_KILL_IN_SYNC_SAVE=N  SIGKILL rank 0 in the synchronous save of step N, after every
+                                  shard is written and before the rename (MMP_FAULT_SAVE_PAUSE_S:
+                                  sleep that long there instead, for a kill from outside)
+      MMP_FAULT_SAVE_ERROR=N      raise OSError(ENOSPC) on rank 0 at that point of step N's save
+      MMP_FAULT_NAN_LOSS_AT_STEP=N[,M..]  the step's loss becomes NaN (MMP_FAULT_BAD_VALUE=inf: inf)
+      MMP_FAULT_NAN_GRAD_AT_STEP=N[,M..]  one element of one gradient becomes NaN (or inf)
+      MMP_FAULT_RECORD_KEYS=1     append the sample keys of every step to <run.dir>/keys_rank<r>.jsonl
     """
 
     def __init__(self, env: dict, run_dir: str, rank: int):
@@ -225,6 +234,11 @@ class FaultInjector:
         self.slow_rank = num("MMP_FAULT_SLOW_RANK")
         self.slow_s = num("MMP_FAULT_SLOW_S", float, 0.3)
         self.kill_in_save = num("MMP_FAULT_KILL_IN_SAVE")
+        steps = lambda name: {int(x) for x in env.get(name, "").split(",") if x.strip()}  # noqa: E731
+        self.nan_loss_at = steps("MMP_FAULT_NAN_LOSS_AT_STEP")
+        self.nan_grad_at = steps("MMP_FAULT_NAN_GRAD_AT_STEP")
+        self.bad_value = float(env.get("MMP_FAULT_BAD_VALUE") or "nan")
+        self.keys_path = os.path.join(run_dir, f"keys_rank{rank}.jsonl") if env.get("MMP_FAULT_RECORD_KEYS") else None
 
     @classmethod
     def from_env(cls, run_dir: str, rank: int) -> FaultInjector | None:
@@ -253,6 +267,53 @@ class FaultInjector:
         if self.kill_in_save == step and self.rank == 0:
             self._die(f"killing rank 0 while checkpoint {step} is being written")
 
+    def corrupt_step(self, step: int, loss: float, params: list[torch.Tensor]) -> float:
+        """Called by every rank with step `step`'s reduced loss and its gradients before the
+        finiteness check; returns the (possibly replaced) loss."""
+        if step in self.nan_grad_at:
+            grad = next(p.grad for p in params if p.grad is not None)
+            local = grad.to_local() if hasattr(grad, "to_local") else grad  # an FSDP shard may be empty
+            if local.numel():
+                local.view(-1)[0] = self.bad_value
+            print(f"[rank {self.rank}] fault injection: {self.bad_value} in a gradient of step {step}",
+                  file=sys.stderr, flush=True)
+        if step in self.nan_loss_at:
+            print(f"[rank {self.rank}] fault injection: loss of step {step} = {self.bad_value}", file=sys.stderr,
+                  flush=True)
+            return self.bad_value
+        return loss
+
+    def record_keys(self, step: int, batches: list[dict]) -> None:
+        """The keys this rank trains on in step `step` (a resumed run appends the redone steps again)."""
+        if self.keys_path is None:
+            return
+        with open(self.keys_path, "a") as f:
+            # attempt: one launch of the job (all its ranks), to tell redone steps from the originals
+            attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', os.getpid())}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
+            f.write(json.dumps({"step": step, "attempt": attempt, "time": time.time(),
+                                "keys": [k for b in batches for k in b["__key__"]]}) + "\n")
+
     def _die(self, what: str) -> None:
         print(f"[rank {self.rank}] fault injection: {what}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def in_sync_save(step: int, rank: int, tmp_dir: str) -> None:
+    """Called by CheckpointManager.save between the shard writes of step `step` (all in `tmp_dir`)
+    and the rename that makes them a checkpoint: MMP_FAULT_KILL_IN_SYNC_SAVE / SAVE_PAUSE_S /
+    SAVE_ERROR (see FaultInjector). Read from the environment here: the manager holds no injector."""
+    env = os.environ
+    if rank != 0 or not any(k.startswith("MMP_FAULT_") for k in env):
+        return
+    if env.get("MMP_FAULT_SAVE_ERROR") == str(step):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(tmp_dir, "__0_0.distcp"))
+    if env.get("MMP_FAULT_KILL_IN_SYNC_SAVE") == str(step):
+        pause = float(env.get("MMP_FAULT_SAVE_PAUSE_S") or 0)
+        if pause:
+            print(f"[rank {rank}] fault injection: pausing {pause:g} s before renaming {tmp_dir}", file=sys.stderr,
+                  flush=True)
+            time.sleep(pause)
+            return
+        print(f"[rank {rank}] fault injection: killing rank 0 between the shard writes and the rename of {tmp_dir}",
+              file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)

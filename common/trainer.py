@@ -121,6 +121,8 @@ class Trainer:
         if self.faults is not None:
             self.faults.at_step(self.step + 1)
         batches = [next(it) for _ in range(accum)]
+        if self.faults is not None:  # MMP_FAULT_RECORD_KEYS: which samples each step trains on
+            self.faults.record_keys(self.step + 1, batches)
         self.local_s = time.perf_counter() - t0
         corrupt = sum(int(b.get("__corrupt__", 0)) for b in batches)
         samples = sum(len(b["__position__"]) for b in batches)
@@ -192,6 +194,8 @@ class Trainer:
                 self.corrupt_total += round(float(totals[1]))
                 for hook in self.pm.grad_hooks:
                     hook()
+                if self.faults is not None:  # MMP_FAULT_NAN_*: a non-finite loss or gradient on request
+                    step_loss = self.faults.corrupt_step(self.step + 1, step_loss, self.params)
                 grad_norm = clip_grads(self.params, clip, self.pm.ranks_per_stage)
                 if math.isfinite(step_loss) and math.isfinite(grad_norm):
                     self.optimizer.step()

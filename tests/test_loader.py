@@ -119,7 +119,8 @@ def test_resume_is_exact(shard_dir):
     for _ in range(3):
         next(it)
     sd = first.state_dict()
-    assert sd == {"samples_consumed": 12, "num_samples": N, "seed": 0, "version": 1}
+    assert sd == {"samples_consumed": 12, "num_samples": N, "seed": 0, "version": 2,
+                  "dataset": first.fingerprint, "shuffle": True, "shuffle_window": 2}
     resumed = make(shard_dir, 4)
     resumed.load_state_dict(sd)
     assert resumed.epoch == 0

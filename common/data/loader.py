@@ -16,7 +16,9 @@ state, so the contract above (one state, any D or B on resume) holds for each of
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import weakref
 from collections.abc import Callable, Iterator
 
@@ -30,7 +32,9 @@ from .shards import DataError
 
 log = logging.getLogger(__name__)
 
-STATE_VERSION = 1
+# 2 added the dataset fingerprint and the shuffle settings; version-1 states (older
+# checkpoints) still resume, with only the checks they allow.
+STATE_VERSION = 2
 
 # Keys already reported as corrupt in this process: a bad sample is seen once per epoch and we
 # do not want a log line every time.
@@ -224,6 +228,8 @@ class StreamingLoader:
         self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
         self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
         self.seed = int(seed)
+        self.shuffle, self.window = bool(shuffle), int(window)
+        self._fingerprint: str | None = None
         self.samples_consumed = 0   # global positions fully consumed (all ranks together)
         self.corrupt_total = 0      # corrupt samples in batches handed out by this loader
         self.buckets = buckets
@@ -279,6 +285,26 @@ class StreamingLoader:
     def global_batch_per_step(self) -> int:
         return self.micro_batch_size * self.dp_size
 
+    @property
+    def fingerprint(self) -> str:
+        """Identity of the shards in order: each shard's file name (not its directory, so moved
+        data still resumes), sample count and first and last sample key. O(number of shards)."""
+        if self._fingerprint is None:
+            h = hashlib.sha256()
+            for ix in self.mixed.indexes:
+                for i, (path, n) in enumerate(zip(ix.paths, ix.shard_sizes)):
+                    ends = [ix.key(i, 0), ix.key(i, n - 1)] if n else []
+                    h.update(repr((os.path.basename(path), int(n), ends)).encode())
+                h.update(b"|")  # source boundary
+            self._fingerprint = h.hexdigest()[:16]
+        return self._fingerprint
+
+    def _order(self) -> dict:
+        """The settings that shape the order (config names); none matter in resampled mode."""
+        if self.mode != "epoch":
+            return {}
+        return {"shuffle": self.shuffle, **({"shuffle_window": self.window} if self.shuffle else {})}
+
     def _signature(self) -> dict:
         sig: dict = {}
         if len(self.mixed.indexes) > 1:
@@ -290,13 +316,14 @@ class StreamingLoader:
 
     def state_dict(self) -> dict:
         sd = {"samples_consumed": self.samples_consumed, "num_samples": self.num_samples,
-              "seed": self.seed, "version": STATE_VERSION, **self._signature()}
+              "seed": self.seed, "version": STATE_VERSION, "dataset": self.fingerprint,
+              **self._order(), **self._signature()}
         if self._planner is not None:
             sd["buckets"] = {"shapes": [list(x) for x in self.buckets.shapes], **self._planner.state()}
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
-        if sd.get("version") != STATE_VERSION:
+        if sd.get("version") not in (1, STATE_VERSION):
             raise DataError(f"data-loader state version {sd.get('version')!r} is not supported "
                             f"(expected {STATE_VERSION})")
         if int(sd["num_samples"]) != self.num_samples:
@@ -312,6 +339,19 @@ class StreamingLoader:
         if theirs != mine:
             raise DataError(f"data sources/mode changed: checkpoint has {theirs or 'one source, epoch mode'}, "
                             f"loader has {mine or 'one source, epoch mode'}; an exact resume needs the same")
+        legacy = sd["version"] == 1
+        if legacy:
+            log.warning("data-loader state of an older checkpoint: the shards' identity and the shuffle "
+                        "settings cannot be checked; make sure they are the ones it was written with")
+        elif sd.get("dataset") != self.fingerprint:
+            raise DataError(f"dataset changed: the checkpoint's loader read shards with fingerprint "
+                            f"{sd.get('dataset')}, the current shards have {self.fingerprint} (file names, "
+                            f"sample counts or first/last keys differ); an exact resume needs the same shards")
+        order = {k: sd[k] for k in ("shuffle", "shuffle_window") if k in sd}
+        if not legacy and order != self._order():
+            mine_s, theirs_s = (", ".join(f"data.{k}={v}" for k, v in d.items()) for d in (self._order(), order))
+            raise DataError(f"data order settings changed: checkpoint has {theirs_s}, loader has {mine_s}; "
+                            f"the resumed run would repeat and skip samples")
         bst = sd.get("buckets")
         if (bst is None) != (self._planner is None) or (
                 bst is not None and [list(x) for x in self.buckets.shapes] != bst["shapes"]):

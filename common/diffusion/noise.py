@@ -13,7 +13,10 @@ from typing import Sequence
 import torch
 
 SALT_TIME, SALT_NOISE, SALT_DROP = 1, 2, 3
+_SALT_RUN = 0x52554E  # folds a large run seed into the per-sample seed space
 _MASK64 = (1 << 64) - 1
+_MASK63 = (1 << 63) - 1
+_POSITION_BITS = 40  # a run seed below 2^23 owns the per-sample seeds [seed << 40, (seed + 1) << 40)
 
 
 def mix_seed(seed: int, salt: int = 0) -> int:
@@ -26,8 +29,19 @@ def mix_seed(seed: int, salt: int = 0) -> int:
 
 def sample_seeds(run_seed: int, positions: torch.Tensor) -> torch.Tensor:
     """Per-sample seeds from global sample positions (the loader's `__position__`): identical
-    under any parallel layout and across resumes."""
-    return positions.long() + int(run_seed) * (1 << 40)
+    under any parallel layout and across resumes; non-negative int64 for any run seed in
+    [0, 2^63). Run seeds below 2^23 keep the layout seed * 2^40 + position (the noise of existing
+    runs); above, seed * 2^40 would overflow int64 (wrapping, so seeds 2^24 apart collided), so
+    the run seed is hashed to a 63-bit offset instead, the sum taken mod 2^63."""
+    run_seed = int(run_seed)
+    if not 0 <= run_seed <= _MASK63:
+        raise ValueError(f"run seed {run_seed} is outside [0, 2^63)")
+    if run_seed < 1 << (63 - _POSITION_BITS):
+        offset = run_seed << _POSITION_BITS
+    else:
+        offset = mix_seed(run_seed, _SALT_RUN)
+    # int64 addition wraps two's-complement; the mask maps the sum back to [0, 2^63).
+    return (positions.long() + offset) & _MASK63
 
 
 def _seed_list(seeds) -> list[int]:
