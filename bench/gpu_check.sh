@@ -308,7 +308,8 @@ if [ "$CUDA" = 1 ]; then
 elif [ "$DRYRUN" = 1 ]; then
   # fp8 variants run eagerly here: a compile of each would triple the dry run's time
   log "bench/gpu_train_bench.py --device cpu --size tiny (CPU dry run, fp32)"
-  timeout -k 5 120 "$PY" bench/gpu_train_bench.py --device cpu --size tiny --warmup 1 --steps 3 --no-fp8-compile \
+  # 300 s: the CPU dry run compiles, and under a loaded CI machine (two test workers) 120 s was too short once
+  timeout -k 5 "${GPU_CHECK_DRYRUN_TRAIN_S:-300}" "$PY" bench/gpu_train_bench.py --device cpu --size tiny --warmup 1 --steps 3 --no-fp8-compile \
     --out "$RES/gpu_train_bench.json"
   rc=$?
   rec train "$(status_of $rc)" $((SECONDS - t0)) "CPU dry run (tiny DiT, fp32; no CUDA)$([ $rc = 0 ] || echo ", rc $rc")" \

@@ -50,7 +50,7 @@ def test_gpu_check_cpu_dry_run(tmp_path):
     for k in ("GPU_CHECK_CPU_SMOKE", "GPU_CHECK_TOTAL_S", "MMP_KERNEL_BACKEND"):
         env.pop(k, None)
     proc = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_check.sh")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=240)
+                          capture_output=True, text=True, timeout=480)
     tail = proc.stdout[-4000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, tail
 
