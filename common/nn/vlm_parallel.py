@@ -103,16 +103,14 @@ def _shard(model, mesh, dims: ParallelDims, precision, cfg, *, lm_units=None, ro
         fully_shard(model.projector, mesh=vmesh, **kw)
     if dims.dp_mode == "fsdp" and dims.dp * dims.cp > 1:
         lmesh = fsdp_mesh(mesh, dims)
-        if lm_units is None:
-            lm = model.lm
+        whole_model = lm_units is None
+        if whole_model:
+            lm, root = model.lm, model
             lm_units = [lm.tok_embeddings, *lm.blocks, lm.norm, lm.output]
-            root = model
-            for unit in lm_units:
-                fully_shard(unit, mesh=lmesh, **kw)
+        for unit in lm_units:
+            fully_shard(unit, mesh=lmesh, **kw)
+        if whole_model:
             fully_shard(lm, mesh=lmesh, **kw)
-        else:
-            for unit in lm_units:
-                fully_shard(unit, mesh=lmesh, **kw)
         # The root owns no parameter of its own (every part is a unit above); it is what makes one
         # forward/backward of the whole model (or of one pipeline stage) one FSDP step.
         fully_shard(root, mesh=lmesh if vmesh is None else vmesh, **kw)

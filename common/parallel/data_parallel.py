@@ -42,9 +42,10 @@ def fsdp_kwargs(precision: PrecisionPolicy | None, *, reshard_after_forward: boo
 
 def apply_fsdp(model: torch.nn.Module, units: Iterable[torch.nn.Module], mesh, dims: ParallelDims, *,
                precision: PrecisionPolicy | None = None, reshard_after_forward: bool = True,
-               cpu_offload: bool = False) -> torch.nn.Module:
-    """fully_shard each unit (usually a block), then the root (which picks up embeddings and the final layer)."""
-    kwargs = {"mesh": fsdp_mesh(mesh, dims),
+               cpu_offload: bool = False, shard_mesh=None) -> torch.nn.Module:
+    """fully_shard each unit (usually a block), then the root (which picks up embeddings and the final layer).
+    shard_mesh: the mesh to shard over (default: the FSDP mesh of `dims`)."""
+    kwargs = {"mesh": fsdp_mesh(mesh, dims) if shard_mesh is None else shard_mesh,
               **fsdp_kwargs(precision, reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)}
     for unit in units:
         fully_shard(unit, **kwargs)
@@ -86,13 +87,11 @@ def shard_pipeline_stages(stages: Iterable[torch.nn.Module], units_of, mesh, dim
     split input/weight backward of zero-bubble schedules)."""
     if dims.dp_mode == "none":
         return
-    kwargs = fsdp_kwargs(info.precision, reshard_after_forward=cfg.reshard_after_forward,
-                         cpu_offload=cfg.cpu_offload)
-    kwargs["mesh"] = replicate_mesh(mesh, dims) if dims.dp_mode == "ddp" else fsdp_mesh(mesh, dims)
+    shard_mesh = replicate_mesh(mesh, dims) if dims.dp_mode == "ddp" else None
     for stage in stages:
-        for unit in units_of(stage):
-            fully_shard(unit, **kwargs)
-        fully_shard(stage, **kwargs)
+        apply_fsdp(stage, units_of(stage), mesh, dims, precision=info.precision,
+                   reshard_after_forward=cfg.reshard_after_forward, cpu_offload=cfg.cpu_offload,
+                   shard_mesh=shard_mesh)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
