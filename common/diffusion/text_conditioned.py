@@ -7,6 +7,7 @@ example, guided sampling with one unconditional caption) is the same for images 
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -26,16 +27,59 @@ def objective_from_config(d):
     return DDPM(schedule=d.ddpm_schedule, prediction=d.ddpm_prediction)
 
 
+class CachedTextFeatures:
+    """A frozen text tower's per-caption features, kept across steps (LRU, bounded in bytes).
+
+    The towers are frozen and each caption's features depend on that caption alone (no
+    interaction between the rows of a batch), so a repeated caption (a dataset's templates, the
+    empty caption of CFG dropout) is encoded once; only the captions of a batch not seen before
+    go through the tower, together. The result equals the tower's own to fp32 rounding (a row
+    computed in a smaller batch may round differently). A tower with a trainable parameter is
+    called every time."""
+
+    def __init__(self, text_encoder, max_bytes: int = 256 << 20):
+        self.text_encoder, self.max_bytes = text_encoder, max_bytes
+        self.rows: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self.bytes = 0
+        self.hits = self.misses = 0
+
+    def _frozen(self) -> bool:
+        return not any(p.requires_grad for p in self.text_encoder.parameters())
+
+    def __call__(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self._frozen() or self.max_bytes <= 0:
+            return self.text_encoder(captions)
+        missing = list(dict.fromkeys(c for c in captions if c not in self.rows))
+        self.misses += len(missing)
+        self.hits += len(captions) - len(missing)
+        if missing:
+            ctx, mask = self.text_encoder(missing)
+            for c, row, m in zip(missing, ctx, mask):
+                row, m = row.clone(), m.clone()  # own storage: the batch tensor is not kept alive
+                self.rows[c] = (row, m)
+                self.bytes += row.nbytes + m.nbytes
+        rows = [self.rows[c] for c in captions]
+        for c in captions:
+            self.rows.move_to_end(c)
+        out = torch.stack([r for r, _ in rows]), torch.stack([m for _, m in rows])
+        while self.bytes > self.max_bytes and len(self.rows) > len(set(captions)):
+            _, (row, m) = self.rows.popitem(last=False)
+            self.bytes -= row.nbytes + m.nbytes
+        return out
+
+
 def diffusion_step_fns(*, encode: Callable[[dict], torch.Tensor], tokens_of: Callable[[torch.Tensor], int],
                        text_encoder, objective, run_seed: int, cfg_dropout: float, device):
     """(prepare, criterion) for common.trainer.Trainer. prepare holds everything without
     trainable weights (text tower, VAE, timesteps, noise) and returns the model's inputs
-    (x_t, t, context, mask) and the regression target; criterion is the batch-mean MSE."""
+    (x_t, t, context, mask) and the regression target; criterion is the batch-mean MSE.
+    A frozen tower's features are cached per caption (CachedTextFeatures)."""
+    text_features = CachedTextFeatures(text_encoder)
 
     @torch.no_grad()
     def prepare(batch):
         seeds = sample_seeds(run_seed, batch["__position__"])
-        context, mask = text_encoder(drop_captions(batch["caption"], seeds, cfg_dropout))
+        context, mask = text_features(drop_captions(batch["caption"], seeds, cfg_dropout))
         x0 = encode(batch)
         x_t, t, target = objective.training_example(x0, seeds, num_tokens=tokens_of(x0))
         return (x_t, t, context.to(device), mask.to(device)), target

@@ -1,0 +1,50 @@
+"""The per-caption cache of a frozen text tower's features (common/diffusion/text_conditioned.py)."""
+import torch
+
+from common.diffusion.text_conditioned import CachedTextFeatures
+from common.nn.text_encoder import TextEncoder, TextEncoderConfig
+
+
+def _tower():
+    torch.manual_seed(0)
+    return TextEncoder(TextEncoderConfig(width=32, layers=1, heads=2, context_length=16, layer_scale=1e-3))
+
+
+def test_cached_features_equal_the_towers_and_repeats_skip_it():
+    tower = _tower()
+    cache = CachedTextFeatures(tower)
+    first = ["a red circle", "a blue square", "", "a red circle"]
+    ctx, mask = cache(first)
+    ref_ctx, ref_mask = tower(first)
+    torch.testing.assert_close(ctx, ref_ctx, rtol=1e-6, atol=1e-6)
+    assert torch.equal(mask, ref_mask)
+    assert (cache.misses, cache.hits) == (3, 1)  # the repeated caption in one batch is encoded once
+    second = ["", "a green cross", "a blue square"]
+    ctx2, mask2 = cache(second)
+    torch.testing.assert_close(ctx2, tower(second)[0], rtol=1e-6, atol=1e-6)
+    assert torch.equal(mask2, tower(second)[1])
+    assert (cache.misses, cache.hits) == (4, 3)
+
+
+def test_cache_stays_under_its_byte_budget_and_keeps_the_batch_in_use():
+    tower = _tower()
+    row_bytes = 16 * 32 * 4 + 16  # features (L, width) fp32 + bool mask
+    cache = CachedTextFeatures(tower, max_bytes=3 * row_bytes)
+    for i in range(10):
+        ctx, _ = cache([f"caption {i}", f"caption {i + 100}"])
+        torch.testing.assert_close(ctx, tower([f"caption {i}", f"caption {i + 100}"])[0], rtol=1e-6, atol=1e-6)
+        assert cache.bytes <= 3 * row_bytes
+    assert list(cache.rows) == ["caption 9", "caption 109"] or len(cache.rows) == 3
+    assert "caption 0" not in cache.rows
+
+
+def test_a_trainable_tower_is_called_every_time():
+    tower = _tower()
+    tower.tower.token_embedding.weight.requires_grad_(True)
+    cache = CachedTextFeatures(tower)
+    cache(["a red circle"])
+    with torch.no_grad():
+        tower.tower.token_embedding.weight.add_(1.0)
+    ctx, _ = cache(["a red circle"])
+    torch.testing.assert_close(ctx, tower(["a red circle"])[0])
+    assert cache.rows == {} and cache.hits == 0
