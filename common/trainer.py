@@ -93,11 +93,11 @@ class Trainer:
             if latest is not None:  # a fresh start must not mix two models' checkpoints in one run dir
                 self.ckpt.check_signature(latest)
             return None
-        # param_groups options come back from the checkpoint; foreach belongs to this layout.
-        foreach = [g.get("foreach") for g in self.optimizer.param_groups]
+        # param_groups options come back from the checkpoint; foreach / fused belong to this layout.
+        impl = [{k: g.get(k) for k in ("foreach", "fused")} for g in self.optimizer.param_groups]
         meta = self.ckpt.load(path, self.model, self.optimizer, self._tensor_state())
-        for group, value in zip(self.optimizer.param_groups, foreach):
-            group["foreach"] = value
+        for group, value in zip(self.optimizer.param_groups, impl):
+            group.update(value)
         self.step = int(meta["step"])
         self.loader.load_state_dict(meta["loader"])
         self.skipped_steps = int(meta.get("skipped_steps", 0))

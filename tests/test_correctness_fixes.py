@@ -122,6 +122,29 @@ def test_dit_modulation_tables_norms_and_biases_are_not_decayed():
     assert {"blocks.0.attn.to_q.weight", "patch_embed.proj.weight", "t_block.1.weight"} <= decayed
 
 
+def test_plain_parameters_take_the_fused_adamw_with_the_foreach_result():
+    from common.config import OptimConfig
+    from common.optim import build_optimizer
+    from pipelines.text2image.model import DiT, dit_config
+    torch.manual_seed(0)
+    models = [DiT(dit_config("tiny", hidden=32, depth=2, heads=2, text_dim=32, text_len=8)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    start = {n: p.detach().clone() for n, p in models[0].named_parameters()}
+    fused, reference = (build_optimizer(m, OptimConfig(weight_decay=0.1)) for m in models)
+    assert all(g["fused"] and not g["foreach"] for g in fused.param_groups)
+    for g in reference.param_groups:  # the same groups through the multi-tensor path
+        g.update(fused=None, foreach=True)
+    for _ in range(3):
+        grads = [torch.randn_like(p) for p in models[0].parameters()]
+        for m, opt in zip(models, (fused, reference)):
+            for p, gr in zip(m.parameters(), grads):
+                p.grad = gr.clone()
+            opt.step()
+    for (n, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=n)
+        assert not torch.equal(a, start[n]), n
+
+
 def test_vlm_refuses_cpu_offload_it_would_ignore():
     from common.nn.vlm_parallel import parallelize_vlm
     with pytest.raises(ConfigError, match="parallel.cpu_offload=true is not built for the vision-language model"):
