@@ -69,6 +69,9 @@ def parse_args(argv=None):
     ap.add_argument("--time-budget", type=float, default=None,
                     help="seconds for all variants; the timed loop of each stops at its share")
     ap.add_argument("--no-fp8-compile", action="store_true", help="time the fp8 variants eagerly")
+    ap.add_argument("--compile-backend", default="inductor",
+                    help="torch.compile backend of the compiled variants (the CPU dry run uses aot_eager: the "
+                         "script's path without minutes of C++ code generation)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "gpu_train_bench.json"))
     args = ap.parse_args(argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -175,8 +178,9 @@ class Bench:
             row["fp8_report"] = _jsonable(report)
         if compiled:
             from common.parallel.compile import compile_blocks
-            compile_blocks(model.blocks)
-            row["compile"] = "per block (common.parallel.compile.compile_blocks, inductor, dynamic=False)"
+            compile_blocks(model.blocks, backend=self.args.compile_backend)
+            row["compile"] = (f"per block (common.parallel.compile.compile_blocks, {self.args.compile_backend}, "
+                              "dynamic=False)")
         optim_cfg = SimpleNamespace(lr=1e-4, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0)
         opt = build_optimizer(model, optim_cfg)
         params = [p for p in model.parameters() if p.requires_grad]

@@ -42,7 +42,7 @@ def _image_packages() -> dict[str, str | None]:
 
 
 @needs_bash
-@pytest.mark.slow  # ~40 s: three per-block compiles of the tiny DiT
+@pytest.mark.slow  # ~40 s: four variants of the tiny DiT, the compiled one traced with aot_eager
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour (a GPU runs the real steps)")
 def test_gpu_check_cpu_dry_run(tmp_path):
     out = tmp_path / "out"
