@@ -53,10 +53,12 @@ text23d-demo: setup
 	$(PY) -m pipelines.text23d.eval --run $(T3D_RUN)/latent --save-grid $(T3D_RUN)/latent/eval_grid
 
 # Two pytest workers (pytest-xdist): the suite is dominated by subprocess start-up and gloo
-# waits, so two workers on 2 cores finish ~1.5x sooner than one. TEST_JOBS=0 runs in-process.
+# waits, so two workers on 2 cores finish ~1.5x sooner than one. worksteal: a worker that runs
+# out takes pending tests from the other, so the multi-minute tests do not leave one idle at the
+# end. TEST_JOBS=0 runs in-process.
 TEST_JOBS ?= 2
 test: setup
-	$(PY) -m pytest -q -n $(TEST_JOBS)
+	$(PY) -m pytest -q -n $(TEST_JOBS) $(if $(filter 0,$(TEST_JOBS)),,--dist worksteal)
 
 test-fast: setup
 	$(PY) -m pytest -q -n $(TEST_JOBS) -m "not slow"
