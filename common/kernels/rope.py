@@ -50,4 +50,4 @@ def apply_rope(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor
         unserved("apply_rope", backend, triton_rope.SUPPORTED)
     xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
     c, s = freqs_cos.to(xf.dtype), freqs_sin.to(xf.dtype)
-    return (xf * c + _rotate_half(xf) * s).to(x.dtype)
+    return torch.addcmul(xf * c, _rotate_half(xf), s).to(x.dtype)

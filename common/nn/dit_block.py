@@ -98,10 +98,10 @@ class DiTBlock(nn.Module):
         mod = self.scale_shift_table[None] + t0.view(x.shape[0], 6, self.hidden)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mod.unbind(1)
         h = norm_modulate(x, shift_msa, scale_msa, self.eps)
-        x = x + gate_msa[:, None] * self.attn(h, rope=rope)
+        x = torch.addcmul(x, gate_msa[:, None], self.attn(h, rope=rope))  # x + gate * attn, one op
         x = x + self.cross_attn(self.norm_cross(x), context, context_mask)
         h = norm_modulate(x, shift_mlp, scale_mlp, self.eps)
-        return x + gate_mlp[:, None] * self.mlp(h)
+        return torch.addcmul(x, gate_mlp[:, None], self.mlp(h))
 
 
 class FinalLayer(nn.Module):
