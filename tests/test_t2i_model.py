@@ -143,3 +143,20 @@ def test_absolute_positions_break_translation_equivariance():
         # far the two variants are from equivariance.
         errors[abs_pos] = (model(shifted, t, ctx, mask) - torch.roll(model(x, t, ctx, mask), 4, -1)).abs().mean().item()
     assert errors[True] > 2 * errors[False]
+
+
+def test_position_tables_are_built_once_and_train_after_inference_mode():
+    from pipelines.text2image.model import DiT, dit_config
+    torch.manual_seed(0)
+    model = DiT(dit_config("tiny", hidden=32, depth=1, heads=2, text_dim=16, text_len=4))
+    with torch.no_grad():  # non-zero gates so that the attention (and RoPE) reach the output
+        model.t_block[1].bias.normal_()
+        model.final.linear.weight.normal_()
+    x, t, ctx = torch.randn(2, 3, 32, 32), torch.rand(2), torch.randn(2, 4, 16)
+    with torch.inference_mode():
+        first = model(x, t, ctx)
+    assert model.rope(8, 8) is model.rope(8, 8)  # cached, not rebuilt per forward
+    out = model(x, t, ctx)
+    out.square().mean().backward()  # tables made under inference mode would refuse this
+    torch.testing.assert_close(out.detach(), first)
+    assert model.blocks[0].attn.to_q.weight.grad.abs().sum() > 0

@@ -8,6 +8,7 @@ DiT forward:  patches -> tokens (+ 2-D RoPE in attention, no absolute embedding)
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +61,25 @@ def dit_flops(cfg: DiTConfig, num_tokens: int | None = None, text_len: int | Non
     return int(trunk_flops(cfg, n, lt) + attn + embed)
 
 
+# Position tables depend only on the grid: built once per (grid, device) instead of in every
+# forward (some 30 small ops a step). Read-only; callers never write into them. Built outside
+# inference mode, so a table first made while sampling under torch.inference_mode() can still be
+# saved for backward by a later training step.
+@functools.lru_cache(maxsize=64)
+@torch.inference_mode(False)
+def _rope_2d(grid_h: int, grid_w: int, half: int, theta: float, device: torch.device):
+    rows, cols = torch.meshgrid(torch.arange(grid_h, device=device), torch.arange(grid_w, device=device),
+                                indexing="ij")
+    pos = torch.stack([rows.reshape(-1), cols.reshape(-1)], dim=-1)
+    return rope_frequencies(pos, (half, half), theta)
+
+
+@functools.lru_cache(maxsize=64)
+@torch.inference_mode(False)
+def _sincos_2d(grid_h: int, grid_w: int, dim: int, device: torch.device) -> torch.Tensor:
+    return sincos_2d(grid_h, grid_w, dim, device)
+
+
 class DiT(DiTTrunk):
     def __init__(self, cfg: DiTConfig):
         head_dim = cfg.hidden // cfg.heads
@@ -77,11 +97,8 @@ class DiT(DiTTrunk):
 
     def rope(self, grid_h: int, grid_w: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(row, col) integer positions, head dim split evenly between the two axes."""
-        rows, cols = torch.meshgrid(torch.arange(grid_h, device=device), torch.arange(grid_w, device=device),
-                                    indexing="ij")
-        pos = torch.stack([rows.reshape(-1), cols.reshape(-1)], dim=-1)
         half = self.cfg.hidden // self.cfg.heads // 2
-        return rope_frequencies(pos, (half, half), self.cfg.rope_theta)
+        return _rope_2d(grid_h, grid_w, half, self.cfg.rope_theta, torch.device(device or "cpu"))
 
     def embed(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor,
               context_mask: torch.Tensor | None = None):
@@ -89,7 +106,7 @@ class DiT(DiTTrunk):
         p = self.cfg.patch_size
         h = self.patch_embed(x)
         if self.cfg.abs_pos:
-            h = h + sincos_2d(x.shape[-2] // p, x.shape[-1] // p, h.shape[-1], x.device).to(h.dtype)
+            h = h + _sincos_2d(x.shape[-2] // p, x.shape[-1] // p, h.shape[-1], x.device).to(h.dtype)
         return (h, *self.condition(t, context, context_mask, h.dtype))
 
     def head(self, h: torch.Tensor, temb: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
