@@ -129,6 +129,11 @@ def test_cross_attention_ignores_padding():
     # a sample with no valid token yields a finite (zero-attention) output
     empty = ca(x, ctx, torch.zeros(2, 5, dtype=torch.bool))
     assert torch.isfinite(empty).all()
+    # ... exactly the output projection's bias, also next to a sample that has tokens (the
+    # zeroing is skipped only when every sample has one)
+    mixed = ca(x, ctx, torch.tensor([[0, 0, 0, 0, 0], [1, 1, 1, 1, 0]], dtype=torch.bool))
+    torch.testing.assert_close(mixed[0], ca.proj.bias.expand(6, D), rtol=0, atol=0)
+    torch.testing.assert_close(mixed[1], out[1])
 
 
 def test_self_attention_rope_changes_output_and_qk_norm_bounds_logits():

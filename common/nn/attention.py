@@ -56,6 +56,10 @@ class SelfAttention(nn.Module):
         return self.proj(_merge(attend(q, k, v, causal=causal, attn_mask=attn_mask)))
 
 
+def _all_true_on_cpu(flags: torch.Tensor) -> bool:
+    return flags.device.type == "cpu" and not torch.compiler.is_compiling() and bool(flags.all())
+
+
 class CrossAttention(nn.Module):
     """Queries from x, keys/values from context (e.g. text tokens) with a key padding mask."""
 
@@ -85,7 +89,9 @@ class CrossAttention(nn.Module):
             any_valid = context_mask.any(-1)  # (B,)
             mask = (context_mask | ~any_valid[:, None])[:, None, None, :]  # (B, 1, 1, Lk)
         out = _merge(attention(q, k, v, attn_mask=mask))
-        if any_valid is not None:
-            # Unconditional (no branch on a tensor's value): keeps the block one compiled graph.
+        if any_valid is not None and not _all_true_on_cpu(any_valid):
+            # Unconditional under compile or on an accelerator (no branch on a tensor's value, no
+            # host sync): keeps the block one compiled graph. Eager on CPU the check is free and
+            # spares a full-size multiply (and two in backward) when every sample has a token.
             out = out * any_valid[:, None, None].to(out.dtype)
         return self.proj(out)
