@@ -158,6 +158,10 @@ class TextConfig:
     weights: str = doc("", "local state-dict file for the text tower (empty: frozen random init from run.seed)")
     layer_scale: float = doc(0.0, "> 0: open_clip LayerScale init on residual branches, which keeps a random tower's "
                                   "token features word-specific; 0: plain CLIP blocks (needed for CLIP weights)")
+    hf_path: str = doc("", "local Hugging Face text encoder folder (a CLIPTextModel/CLIPModel or T5EncoderModel "
+                           "with its tokenizer, as save_pretrained writes them) used frozen instead of the open_clip "
+                           "tower; text.width must equal its hidden size; layers, heads, weights and layer_scale are "
+                           "then unused")
 
 
 @dataclass

@@ -1,5 +1,8 @@
-"""The frozen open_clip text tower every text-conditioned pipeline shares (captions -> per-token
-features for cross-attention), and the seeded way a run builds it."""
+"""The frozen text tower every text-conditioned pipeline shares (captions -> per-token features for
+cross-attention): open_clip's text transformer seeded from the run seed (or loaded from a state
+dict), or a Hugging Face CLIP / T5 text encoder from a local folder; and the way a run builds it.
+
+Both give forward(texts) -> (tokens (B, L, width), mask (B, L) bool), .width and tokenize(texts)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -80,13 +83,105 @@ class TextEncoder(nn.Module):
         return tokens, ids != 0  # SimpleTokenizer pads with id 0
 
 
-def build_text_encoder(text_cfg, run_seed: int) -> TextEncoder:
-    """The tower a run's `text` config section describes (common.config.TextConfig), seeded from
-    the run seed apart from the global RNG (which it leaves untouched)."""
+# transformers model_type -> the encoder-only class that reads it (a full CLIPModel folder loads
+# its text half).
+_HF_TEXT_MODELS = {"clip": "CLIPTextModel", "clip_text_model": "CLIPTextModel", "t5": "T5EncoderModel",
+                   "mt5": "T5EncoderModel", "umt5": "UMT5EncoderModel"}
+
+
+def hf_tokenizer_dir(path: str) -> str:
+    """The tokenizer's folder for a text encoder folder: the folder itself, else a `tokenizer`
+    folder beside it (the layout of a diffusers pipeline folder)."""
+    import os
+    sibling = os.path.join(os.path.dirname(os.path.normpath(path)), "tokenizer")
+    own = any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json",
+                                                               "spiece.model"))
+    return path if own or not os.path.isdir(sibling) else sibling
+
+
+def hf_text_features(model, tokenizer, texts: list[str], context_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(last hidden state (B, L, width), mask (B, L) bool) of a transformers text encoder, captions
+    padded / truncated to exactly `context_length` tokens. Shared by HFTextEncoder and the
+    exported diffusers pipeline, so both encode a caption the same way."""
+    enc = tokenizer(list(texts), padding="max_length", max_length=context_length, truncation=True,
+                    return_tensors="pt")
+    device = next(model.parameters()).device
+    ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+    with torch.no_grad():
+        tokens = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    return tokens, mask.bool()
+
+
+class HFTextEncoder(nn.Module):
+    """A frozen transformers CLIP or T5 text encoder and the tokenizer from the same local folder
+    (or a `tokenizer` folder beside it), behind TextEncoder's interface. Its weights are those of
+    the folder; a run saves them in its checkpoints like the open_clip tower's."""
+
+    def __init__(self, path: str, context_length: int):
+        super().__init__()
+        import os
+
+        import transformers
+        from common.config import ConfigError
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ConfigError(f"text.hf_path={path!r} is not a Hugging Face model folder (no config.json)")
+        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        cls_name = _HF_TEXT_MODELS.get(config.model_type)
+        if cls_name is None:
+            raise ConfigError(f"text.hf_path={path!r} holds a {config.model_type!r} model; supported text encoders: "
+                              f"{', '.join(sorted(_HF_TEXT_MODELS))}")
+        # fp32 whatever the folder's dtype (the pipeline's precision policy casts activations).
+        self.model = getattr(transformers, cls_name).from_pretrained(path, local_files_only=True, dtype=torch.float32)
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(hf_tokenizer_dir(path), local_files_only=True)
+        limit = getattr(self.model.config, "max_position_embeddings", None)  # CLIP: learned positions
+        if limit is not None and context_length > limit:
+            raise ConfigError(f"text.context_length={context_length} exceeds the {limit} positions of the text encoder "
+                              f"at {path}")
+        self.path, self.context_length = path, context_length
+        self.requires_grad_(False)
+        self.eval()
+
+    @property
+    def width(self) -> int:
+        return self.model.config.hidden_size  # T5: alias of d_model
+
+    def train(self, mode: bool = True):
+        return super().train(False)  # frozen: never leave eval mode (no dropout)
+
+    def tokenize(self, texts: list[str]) -> torch.Tensor:
+        return self.tokenizer(list(texts), padding="max_length", max_length=self.context_length, truncation=True,
+                              return_tensors="pt")["input_ids"]
+
+    @torch.no_grad()
+    def forward(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (tokens (B, L, width), key_padding_mask (B, L) bool, True = real token incl. BOS/EOS)."""
+        return hf_text_features(self.model, self.tokenizer, texts, self.context_length)
+
+
+def build_text_encoder(text_cfg, run_seed: int) -> TextEncoder | HFTextEncoder:
+    """The tower a run's `text` config section describes (common.config.TextConfig): the Hugging
+    Face encoder of text.hf_path, else open_clip's seeded from the run seed apart from the global
+    RNG (which it leaves untouched)."""
     from common.diffusion.noise import mix_seed
+    if getattr(text_cfg, "hf_path", ""):
+        from common.config import ConfigError
+        enc = HFTextEncoder(text_cfg.hf_path, text_cfg.context_length)
+        if enc.width != text_cfg.width:
+            raise ConfigError(f"text.width={text_cfg.width} but the text encoder at {text_cfg.hf_path} has width "
+                              f"{enc.width}; set text.width={enc.width}")
+        return enc
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(mix_seed(run_seed, TEXT_SEED_SALT))
         return TextEncoder(TextEncoderConfig(width=text_cfg.width, layers=text_cfg.layers, heads=text_cfg.heads,
                                              context_length=text_cfg.context_length,
                                              weights=text_cfg.weights or None,
                                              layer_scale=text_cfg.layer_scale or None))
+
+
+def text_signature(text_cfg) -> dict:
+    """The `text` part of a checkpoint's signature: the tower's shape. The weights file is left
+    out (its tensors are saved with the checkpoint), and so is an unset hf_path, so that
+    checkpoints written before the field existed still load."""
+    import dataclasses
+    return {k: v for k, v in dataclasses.asdict(text_cfg).items()
+            if k != "weights" and not (k == "hf_path" and not v)}

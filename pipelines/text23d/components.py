@@ -20,7 +20,7 @@ from common.data.pointclouds import write_ply, write_turntable
 from common.diffusion import noise as dnoise
 from common.diffusion import text_conditioned as tc
 from common.geometry import BOUNDS, grid_points, marching_cubes
-from common.nn.text_encoder import build_text_encoder
+from common.nn.text_encoder import build_text_encoder, text_signature
 from pipelines.text23d.config import T3DConfig
 from pipelines.text23d.data import ShapeDecoder, from_model_space, to_model_space
 from pipelines.text23d.model import PointDiT, ShapeVAE, ShapeVAEConfig, point_dit_config
@@ -195,7 +195,7 @@ def signature(comp: Components) -> dict:
     cfg = comp.cfg
     out = {"pipeline": PIPELINE, "stage": cfg.stage, "model": dataclasses.asdict(comp.model.cfg)}
     if comp.text_encoder is not None:
-        out["text"] = {k: v for k, v in dataclasses.asdict(cfg.text).items() if k != "weights"}
+        out["text"] = text_signature(cfg.text)
     if cfg.stage == "vae":
         out["inputs"] = [cfg.vae.surface_points, cfg.vae.queries]
     return out

@@ -23,7 +23,7 @@ from common.data.images import tile
 from common.data.media import encode_mp4
 from common.diffusion import noise as dnoise
 from common.diffusion import text_conditioned as tc
-from common.nn.text_encoder import build_text_encoder
+from common.nn.text_encoder import build_text_encoder, text_signature
 from pipelines.text2video.config import T2VConfig
 from pipelines.text2video.model import VideoDiT, video_dit_config
 from pipelines.text2video.vae import VideoVae
@@ -126,7 +126,7 @@ def build(cfg: T2VConfig) -> Components:
 def signature(cfg: T2VConfig, comp: Components) -> dict:
     """What must match for a checkpoint to load into this run (checked before any tensor is read)."""
     sig = {"pipeline": PIPELINE, "model": dataclasses.asdict(comp.model.cfg),
-           "text": {k: v for k, v in dataclasses.asdict(cfg.text).items() if k != "weights"}}
+           "text": text_signature(cfg.text)}
     if comp.vae is not None:  # the latent space: VAE class, factors, normalisation, latent clip shape
         sig["vae"] = {**comp.vae.describe(), "latent_shape": list(comp.clip_shape)}
     return sig  # (pixel-space runs keep the signature they always had)
