@@ -14,9 +14,10 @@ from common.config import ConfigError
 from common.data.images import save_grid
 from common.diffusion import noise as dnoise
 from common.diffusion import text_conditioned as tc
-from common.nn.text_encoder import build_text_encoder
+from common.nn.text_encoder import build_text_encoder, text_signature
 from pipelines.text2image.config import T2IConfig
 from pipelines.text2image.model import DiT, dit_config
+from pipelines.text2image.unet import UNet, unet_config
 
 PIPELINE = "text2image"
 # Per-sample stream of the VAE posterior sample (common/diffusion/noise.py uses salts 1-3).
@@ -54,27 +55,40 @@ def load_vae(cfg: T2IConfig):
     return vae, vae.config.latent_channels, cfg.model.image_size // factor
 
 
+def build_dit(cfg: T2IConfig, size: int, channels: int) -> DiT:
+    dcfg = dit_config(cfg.model.preset, img_size=size, in_channels=channels, text_dim=cfg.text.width, text_len=cfg.text.context_length,
+                      **model_overrides(cfg))
+    if size % dcfg.patch_size:
+        raise ConfigError(f"model input size {size} is not divisible by model.patch_size={dcfg.patch_size}")
+    if dcfg.hidden % dcfg.heads:
+        raise ConfigError(f"model.hidden={dcfg.hidden} is not divisible by model.heads={dcfg.heads}")
+    return DiT(dcfg)
+
+
+def build_unet(cfg: T2IConfig, size: int, channels: int) -> UNet:
+    ucfg = unet_config(cfg.model.preset, img_size=size, in_channels=channels, text_dim=cfg.text.width,
+                       text_len=cfg.text.context_length)
+    if size % ucfg.downsample:
+        raise ConfigError(f"model input size {size} is not divisible by {ucfg.downsample}, the downsampling factor "
+                          f"of the {cfg.model.preset} UNet")
+    return UNet(ucfg)
+
+
 def build(cfg: T2IConfig) -> Components:
     vae, channels, size = load_vae(cfg)
-    # Frozen tower and DiT seeded apart from the global RNG, so that every rank, every resume and
+    # Frozen tower and DiT (or UNet) seeded apart from the global RNG, so that every rank, every resume and
     # sample.py rebuild exactly the same tower (it is also saved in checkpoints) and initial DiT.
     text = build_text_encoder(cfg.text, cfg.run.seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(dnoise.mix_seed(cfg.run.seed, 102))
-        dcfg = dit_config(cfg.model.preset, img_size=size, in_channels=channels, text_dim=cfg.text.width, text_len=cfg.text.context_length,
-                          **model_overrides(cfg))
-        if size % dcfg.patch_size:
-            raise ConfigError(f"model input size {size} is not divisible by model.patch_size={dcfg.patch_size}")
-        if dcfg.hidden % dcfg.heads:
-            raise ConfigError(f"model.hidden={dcfg.hidden} is not divisible by model.heads={dcfg.heads}")
-        model = DiT(dcfg)
+        model = build_unet(cfg, size, channels) if cfg.model.arch == "unet" else build_dit(cfg, size, channels)
     return Components(cfg, model, text, tc.objective_from_config(cfg.diffusion), vae, channels, size)
 
 
 def signature(cfg: T2IConfig, comp: Components) -> dict:
     """What must match for a checkpoint to load into this run (checked before any tensor is read)."""
     return {"pipeline": PIPELINE, "model": dataclasses.asdict(comp.model.cfg),
-            "text": {k: v for k, v in dataclasses.asdict(cfg.text).items() if k != "weights"},
+            "text": text_signature(cfg.text),
             "latent": [comp.latent_channels, comp.latent_size]}
 
 

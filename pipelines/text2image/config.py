@@ -3,12 +3,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import DiffusionConfig, ModelSizeConfig, TextDiffusionSections, doc
+from common.config import ConfigError, DiffusionConfig, ModelSizeConfig, TextDiffusionSections, doc
+
+# model.arch -> its model.preset choices (pipelines/text2image/model.py, unet.py).
+ARCH_PRESETS = {"dit": ("tiny", "S", "B", "XL"), "unet": ("tiny", "sd15", "sdxl")}
 
 
 @dataclass
 class ModelConfig(ModelSizeConfig):
+    arch: str = doc("dit", "dit: the DiT (preset and the size fields below) | unet: a Stable-Diffusion-style UNet "
+                           "(diffusers UNet2DConditionModel), sized by preset alone")
+    preset: str = doc("tiny", "model size. dit: tiny | S | B | XL; unet: tiny | sd15 | sdxl (SD1.x / SDXL sizes, "
+                              "cross-attention width = text.width)")
     image_size: int = doc(32, "pixel resolution of training images (square)")
+    init_from: str = doc("", "start from the weights of a run / checkpoint dir (its EMA copy) or an exported "
+                             "diffusers pipeline folder of the same architecture (and its open_clip tower)")
 
 
 @dataclass
@@ -27,13 +36,29 @@ class T2IDiffusionConfig(DiffusionConfig):
 @dataclass
 class T2IConfig(TextDiffusionSections):
     diffusion: T2IDiffusionConfig = doc(factory=T2IDiffusionConfig, help="training objective")
-    model: ModelConfig = doc(factory=ModelConfig, help="the DiT")
+    model: ModelConfig = doc(factory=ModelConfig, help="the denoiser: DiT or UNet")
     vae: VaeConfig = doc(factory=VaeConfig, help="optional latent space")
 
     def validate(self) -> None:
-        self.check(positive={"model.image_size": self.model.image_size}, choices={
+        m = self.model
+        self.check(positive={"model.image_size": m.image_size}, choices={
             "diffusion.objective": (self.diffusion.objective, ("flow", "ddpm")),
             "diffusion.ddpm_prediction": (self.diffusion.ddpm_prediction, ("eps", "v")),
             "diffusion.ddpm_schedule": (self.diffusion.ddpm_schedule, ("linear", "cosine")),
-            "model.preset": (self.model.preset, ("tiny", "S", "B", "XL")),
+            "model.arch": (m.arch, tuple(ARCH_PRESETS)),
         })
+        if m.preset not in ARCH_PRESETS[m.arch]:
+            raise ConfigError(f"model.preset={m.preset!r} is not a {m.arch} preset; choose from "
+                              f"{', '.join(ARCH_PRESETS[m.arch])}")
+        if m.arch == "unet":
+            # The DiT's size fields would do nothing: refused rather than silently ignored.
+            for key, value in m.size_overrides().items():
+                raise ConfigError(f"model.{key}={value} sizes the DiT; model.arch=unet is sized by model.preset "
+                                  f"({', '.join(ARCH_PRESETS['unet'])}): leave model.{key} unset")
+            # Refused here, before any process starts, for the reasons the model's plan gives.
+            from pipelines.text2image.unet import PARALLEL_LIMITS
+            for dim, reason in PARALLEL_LIMITS.items():
+                degree = getattr(self.parallel, dim)
+                if degree > 1:
+                    raise ConfigError(f"parallel.{dim}={degree} is not supported for text2image with "
+                                      f"model.arch=unet: {reason}")

@@ -1,12 +1,21 @@
 """The text2image pipeline contract (common/pipeline.py): what the shared entrypoints run."""
 from __future__ import annotations
 
+import os
+
+from torch import nn
+
 from common.config import ConfigError
 from common.data.images import ImageDecoder
 from common.diffusion.text_conditioned import text_diffusion_spec
-from common.nn.dit_parallel import parallelize_dit
+from common.nn.dit_parallel import apply_block_options, parallelize_dit
+from common.parallel.data_parallel import apply_data_parallel
+from common.parallel.dims import ParallelDims
+from common.parallel.layouts import check_layout
+from common.parallel.parallel_model import ParallelModel
 from pipelines.text2image import components
 from pipelines.text2image.config import T2IConfig
+from pipelines.text2image.unet import UNet
 
 
 def decoder(comp: components.Components) -> ImageDecoder:
@@ -17,15 +26,54 @@ def decoder(comp: components.Components) -> ImageDecoder:
     return ImageDecoder(cfg.model.image_size, use_latents=bool(cfg.vae.path))
 
 
+def parallelize_unet(model: UNet, cfg, info, *, microbatches: int = 1, criterion=None,
+                     name: str | None = None) -> ParallelModel:
+    """The UNet's plan: data parallelism only (parallel_limits refuses tp, cp and pp). Activation
+    checkpointing and compile per resolution block (down..., mid, up...), then DDP, or FSDP2 with
+    each of those blocks a unit and the root owning conv_in, the time and text embeddings and the
+    output layers: the DiT's order (AC, compile, fully_shard per block, then the root)."""
+    dims = ParallelDims.from_config(cfg, info.world_size)
+    check_layout(dims, cfg, model.parallel_limits(), f"{name or 'text2image'} with model.arch=unet")
+    blocks = nn.ModuleList(model.blocks)  # a view: the blocks stay registered under model.unet only
+    apply_block_options(blocks, cfg)
+    mesh = dims.build_mesh(info.device.type)
+    return ParallelModel(apply_data_parallel(model, list(blocks), mesh, dims, info, cfg), dims, mesh)
+
+
+def parallelize(model, cfg, info, **kwargs) -> ParallelModel:
+    """model.arch: the UNet's plan or the DiT family's (common/nn/dit_parallel.py)."""
+    plan = parallelize_unet if isinstance(model, UNet) else parallelize_dit
+    return plan(model, cfg, info, **kwargs)
+
+
+def describe(comp: components.Components) -> str:
+    if isinstance(comp.model, UNet):
+        c = comp.model.cfg
+        return (f"UNet {comp.cfg.model.preset} (diffusers UNet2DConditionModel), {c.in_channels}x{c.img_size}x"
+                f"{c.img_size} input, {comp.num_tokens} positions/sample")
+    return f"DiT, {comp.num_tokens} tokens/sample"
+
+
+def init_model(comp: components.Components) -> None:
+    """model.init_from: weights from a run, checkpoint or exported folder, before training (a
+    resume loads its checkpoint over them)."""
+    if comp.cfg.model.init_from:
+        from pipelines.text2image.diffusers_pipeline import init_from
+        what = init_from(comp, comp.cfg.model.init_from)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"model.init_from: {what}", flush=True)
+
+
 SPEC = text_diffusion_spec(
     components,
     name="text2image",
-    description="Train a text-to-image DiT.",
+    description="Train a text-to-image DiT or UNet.",
     config=T2IConfig,
-    parallelize=parallelize_dit,
+    parallelize=parallelize,
     decoder=decoder,
     write_grid=components.write_grid,
     write_item=components.write_image,
-    describe=lambda comp: f"DiT, {comp.num_tokens} tokens/sample",
+    describe=describe,
     media_noun="images",
+    init=init_model,
 )

@@ -1,0 +1,163 @@
+"""Export a text2image run as a diffusers pipeline folder (safetensors, EMA weights where the
+checkpoint has them).
+
+  python -m pipelines.text2image.export --run RUN_DIR --out DIR [--checkpoint CKPT]
+         [--weights ema|trained] [--overwrite]
+
+The folder loads with the project installed (pip install -e <repo>):
+
+  from diffusers import DiffusionPipeline
+  pipe = DiffusionPipeline.from_pretrained(DIR, trust_remote_code=True)  # runs DIR/pipeline.py: one import
+  # or, running no code from DIR:
+  from pipelines.text2image.diffusers_pipeline import TextToImagePipeline
+  pipe = TextToImagePipeline.from_pretrained(DIR)
+  image = pipe("a red circle", seed=0).images[0]  # steps and guidance: the run's sample.steps / sample.cfg
+
+and draws the same image as `python -m pipelines.text2image.sample --run RUN_DIR --prompt ...
+--seed 0` with the same steps and guidance (fp32). Components: transformer (our DiT; or unet, a
+native UNet2DConditionModel), text_encoder (the open_clip tower; or the native transformers
+encoder and its tokenizer of text.hf_path), vae (native AutoencoderKL, latent runs) and a native
+scheduler (FlowMatchEulerDiscreteScheduler with the run's shift, or DPMSolverMultistepScheduler of
+order 1 = DDIM for DDPM runs). README.md in the folder says which weights and checkpoint it holds.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+
+from common.checkpoint import CheckpointError, resolve_checkpoint
+from common.cli import run_cli
+from common.config import ConfigError
+from common.diffusion import RectifiedFlow
+from common.nn.text_encoder import TextEncoder
+from common.run import check_run_dir, load_run
+
+
+def _checkpoint(run: str, checkpoint: str | None) -> str:
+    if not os.path.isdir(run):
+        raise ConfigError(f"run directory not found: {run}")
+    check_run_dir(run)
+    try:
+        return resolve_checkpoint(checkpoint or os.path.join(run, "checkpoints"))
+    except CheckpointError:
+        if checkpoint:
+            raise
+        raise CheckpointError(f"{run} holds no complete checkpoint (train it first, or pass --checkpoint)") from None
+
+
+def build_pipeline(comp):
+    """A TextToImagePipeline around a loaded run's components (their modules, not copies)."""
+    from pipelines.text2image.diffusers_pipeline import (OpenCLIPTextModel, TextToImageDiTModel,
+                                                         TextToImagePipeline, scheduler_for)
+    from pipelines.text2image.model import DiT
+    denoiser = {}
+    if isinstance(comp.model, DiT):
+        denoiser["transformer"] = TextToImageDiTModel.from_dit(comp.model)
+    elif hasattr(comp.model, "unet"):  # pipelines/text2image/unet.py: a native UNet2DConditionModel inside
+        denoiser.update(unet=comp.model.unet, unet_pooled_text=bool(comp.model.cfg.pooled_text),
+                        unet_patch_size=int(getattr(comp.model.cfg, "patch_size", 1)))
+    else:
+        raise ConfigError(f"cannot export a {type(comp.model).__name__} as a diffusers pipeline")
+    if isinstance(comp.text_encoder, TextEncoder):
+        text = dict(text_encoder=OpenCLIPTextModel.from_encoder(comp.text_encoder))
+    else:  # common.nn.text_encoder.HFTextEncoder: native transformers model and tokenizer
+        text = dict(text_encoder=comp.text_encoder.model, tokenizer=comp.text_encoder.tokenizer)
+    vae = comp.vae
+    if vae is not None and comp.cfg.vae.scaling_factor:
+        vae.register_to_config(scaling_factor=comp.latent_scale)  # the run's override, where diffusers reads it
+    return TextToImagePipeline(scheduler=scheduler_for(comp.objective, comp.num_tokens), vae=vae,
+                               text_max_length=comp.cfg.text.context_length, sample_steps=comp.cfg.sample.steps,
+                               sample_guidance=comp.cfg.sample.cfg, **denoiser, **text)
+
+
+def _describe_scheduler(comp, pipe) -> str:
+    name = type(pipe.scheduler).__name__
+    if isinstance(comp.objective, RectifiedFlow):
+        return f"{name} (rectified flow, shift {comp.objective.shift_for(comp.num_tokens):g})"
+    return f"{name} (DDPM {comp.objective.prediction}-prediction, order 1 = deterministic DDIM)"
+
+
+def _model_card(comp, meta: dict, ckpt: str, weights: str, pipe, run: str) -> str:
+    cfg = comp.cfg
+    parts = [f"- denoiser: {'transformer: our DiT' if pipe.transformer is not None else 'unet: UNet2DConditionModel'} "
+             f"({sum(p.numel() for p in pipe.denoiser.parameters()) / 1e6:.2f}M parameters), "
+             f"input {'x'.join(map(str, pipe.model_shape))}",
+             f"- text encoder: {type(pipe.text_encoder).__name__}, {cfg.text.context_length} tokens per caption",
+             f"- VAE: {'AutoencoderKL, scaling factor %g' % pipe.vae.config.scaling_factor if pipe.vae is not None else 'none (pixel space)'}",
+             f"- scheduler: {_describe_scheduler(comp, pipe)}"]
+    return f"""---
+library_name: diffusers
+tags: [text-to-image]
+---
+# text2image pipeline{f' ({cfg.run.name})' if cfg.run.name else ''}
+
+Exported from the run `{os.path.abspath(run)}`, checkpoint `{os.path.basename(ckpt)}` (step {meta['step']}).
+Weights: **{weights}**. Resolution {cfg.model.image_size} px; the run's sampling defaults: {cfg.sample.steps} steps,
+guidance {cfg.sample.cfg:g}. `training_config.yaml` is the run's resolved config.
+
+{chr(10).join(parts)}
+
+Needs the project installed (`pip install -e <repo>`): the transformer and the open_clip text tower
+are the project's classes (`pipelines.text2image.diffusers_pipeline`).
+
+```python
+from diffusers import DiffusionPipeline
+pipe = DiffusionPipeline.from_pretrained(FOLDER, trust_remote_code=True)  # pipeline.py: one import line
+# or, running no code from the folder:
+# from pipelines.text2image.diffusers_pipeline import TextToImagePipeline
+# pipe = TextToImagePipeline.from_pretrained(FOLDER)
+image = pipe("a red circle", num_inference_steps={cfg.sample.steps}, guidance_scale={cfg.sample.cfg:g}, seed=0).images[0]
+```
+`seed=K` draws what `python -m pipelines.text2image.sample --seed K` draws for the same prompt
+(prompt i of a list gets seed K + i); `generator=` and `latents=` work as in other pipelines.
+"""
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pipelines.text2image.export", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", required=True, help="run directory (config.yaml and checkpoints/)")
+    p.add_argument("--out", required=True, help="pipeline folder to write (must not exist or be empty)")
+    p.add_argument("--checkpoint", default=None, help="a specific checkpoint directory (default: the run's latest)")
+    p.add_argument("--weights", choices=("ema", "trained"), default="ema",
+                   help="ema (default): the checkpoint's EMA copy, or the trained weights where it has none")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
+    args = p.parse_args(argv)
+    ckpt = _checkpoint(args.run, args.checkpoint)
+    out = os.path.normpath(args.out)
+    if os.path.isfile(out) or (os.path.isdir(out) and os.listdir(out) and not args.overwrite):
+        raise ConfigError(f"--out {out} exists and is not empty (pass --overwrite to replace it)")
+
+    from pipelines.text2image.diffusers_pipeline import checkpoint_has_ema
+    from pipelines.text2image.spec import SPEC
+    has_ema = checkpoint_has_ema(ckpt)
+    use_ema = args.weights == "ema" and has_ema
+    comp, meta = load_run(SPEC, args.run, ckpt, use_ema=use_ema)
+    decay = comp.cfg.train.ema_decay
+    weights = (f"EMA weights (decay {decay:g})" if use_ema else
+               "trained weights" + (" (--weights trained)" if has_ema else " (the checkpoint has no EMA copy)"))
+    pipe = build_pipeline(comp)
+
+    # Written beside the destination and renamed when complete: an interrupted export leaves no
+    # half-written folder where a loader would find it.
+    tmp = out + ".export-tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    pipe.save_pretrained(tmp, safe_serialization=True)
+    shutil.copyfile(os.path.join(args.run, "config.yaml"), os.path.join(tmp, "training_config.yaml"))
+    with open(os.path.join(tmp, "README.md"), "w") as f:
+        f.write(_model_card(comp, meta, ckpt, weights, pipe, args.run))
+    if os.path.isdir(out):
+        shutil.rmtree(out)
+    os.rename(tmp, out)
+    parts = ["transformer" if pipe.transformer is not None else "unet", "text_encoder"]
+    parts += ["tokenizer"] if pipe.tokenizer is not None else []
+    parts += ["vae"] if pipe.vae is not None else []
+    print(f"exported {ckpt} (step {meta['step']}, {weights}) to {out}: {', '.join(parts)}, scheduler "
+          f"{_describe_scheduler(comp, pipe)}; load with DiffusionPipeline.from_pretrained({out!r}, "
+          f"trust_remote_code=True)")
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)
