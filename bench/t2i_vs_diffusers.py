@@ -1,0 +1,177 @@
+"""The text2image training step against diffusers' PixArt transformer at identical dimensions.
+
+Both sides run in this process, on the same CPU threads, in alternating rounds (ours first in
+even rounds, the peer first in odd ones), so that load from anything else on the machine falls
+on both alike. Each step: a batch of 32 images in [-1, 1], rectified-flow noising, fp32
+forward/backward, MSE on the velocity, gradient clipping at 1.0, AdamW.
+
+  ours   the project's real step: pipelines/text2image/components.make_step_fns (per-sample seeded
+         noise and logit-normal timesteps, the frozen text tower as training runs it) -> DiT ->
+         loss -> backward -> clip -> AdamW (common/optim.build_optimizer) -> EMA update.
+  peer   diffusers.PixArtTransformer2DModel (adaLN-single, the same width, depth, heads, patch,
+         image size, channels, caption width and text length) in a plain rectified-flow loop:
+         torch.randn noise, text features precomputed once (the peer pays nothing for text),
+         no EMA.
+
+The ratio printed is ours / peer in samples per second (median over rounds); > 1 means ours is
+faster. Configs: "demo" is the shipped tiny.yaml (hidden 128, depth 4, 64 tokens); "S" is DiT-S
+(hidden 384, depth 12, 6 heads, patch 2 on 32 px: 256 tokens, caption width 512).
+
+  python bench/t2i_vs_diffusers.py [--configs demo,S] [--rounds 5] [--steps 4] [--threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common.config import build_config  # noqa: E402
+from common.ema import EMA  # noqa: E402
+from common.optim import build_optimizer  # noqa: E402
+from common.parallel.compile import compile_blocks  # noqa: E402
+from pipelines.text2image import components  # noqa: E402
+from pipelines.text2image.config import T2IConfig  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = {
+    "demo": [],
+    "S": ["model.preset=S", "model.patch_size=2", "text.width=512", "text.layers=4", "text.heads=8"],
+}
+COLOURS = ("red", "green", "blue", "yellow", "purple", "white")
+SHAPES = ("circle", "square", "triangle", "cross")
+
+
+def captions(n: int, step: int) -> list[str]:
+    # Demo-like captions, varying between steps as a shuffled dataset's do.
+    return [f"a {COLOURS[(i + step) % 6]} {SHAPES[(i * 7 + step) % 4]} in the {('top', 'bottom')[i % 2]} left"
+            for i in range(n)]
+
+
+class Ours:
+    def __init__(self, overrides: list[str], batch: int):
+        cfg = build_config(T2IConfig, os.path.join(ROOT, "pipelines/text2image/configs/tiny.yaml"), overrides)
+        self.cfg, self.comp, self.batch = cfg, components.build(cfg), batch
+        self.model = self.comp.model
+        self.prepare, self.criterion = components.make_step_fns(self.comp, torch.device("cpu"))
+        if cfg.parallel.compile:  # as training applies it (common/parallel): each block's forward
+            compile_blocks(self.model.blocks)
+        self.opt = build_optimizer(self.model, cfg.optim)
+        self.ema = EMA(self.model, cfg.train.ema_decay)
+        self.size, self.channels = self.comp.latent_size, self.comp.latent_channels
+        self.step_index = 0
+
+    def step(self) -> float:
+        i, b = self.step_index, self.batch
+        batch = {"image": torch.rand(b, self.channels, self.size, self.size) * 2 - 1, "caption": captions(b, i),
+                 "__position__": torch.arange(i * b, (i + 1) * b)}
+        inputs, target = self.prepare(batch)
+        loss = self.criterion(self.model(*inputs), target)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.ema.update(i)
+        self.step_index += 1
+        return loss.item()
+
+
+class Peer:
+    def __init__(self, ours: Ours):
+        from diffusers import PixArtTransformer2DModel
+
+        m = ours.model.cfg
+        self.model = PixArtTransformer2DModel(
+            num_attention_heads=m.heads, attention_head_dim=m.hidden // m.heads, in_channels=m.in_channels,
+            out_channels=m.in_channels, num_layers=m.depth, cross_attention_dim=m.hidden, sample_size=m.img_size,
+            patch_size=m.patch_size, caption_channels=m.text_dim, norm_type="ada_norm_single",
+            use_additional_conditions=False, activation_fn="gelu-approximate", attention_bias=True)
+        self.model.train()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=ours.cfg.optim.lr,
+                                     weight_decay=ours.cfg.optim.weight_decay)
+        self.batch, self.size, self.channels = ours.batch, m.img_size, m.in_channels
+        with torch.no_grad():  # precomputed once: the peer's text costs nothing per step
+            self.context, mask = ours.comp.text_encoder(captions(ours.batch, 0))
+        self.mask = mask.float()
+        self.params = sum(p.numel() for p in self.model.parameters())
+
+    def step(self) -> float:
+        b = self.batch
+        x0 = torch.rand(b, self.channels, self.size, self.size) * 2 - 1
+        eps = torch.randn_like(x0)
+        t = torch.sigmoid(torch.randn(b))
+        tb = t.view(-1, 1, 1, 1)
+        x_t = (1 - tb) * x0 + tb * eps
+        pred = self.model(x_t, encoder_hidden_states=self.context, timestep=t * 1000,
+                          encoder_attention_mask=self.mask, added_cond_kwargs={"resolution": None, "aspect_ratio": None},
+                          return_dict=False)[0]
+        loss = torch.nn.functional.mse_loss(pred, eps - x0)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+
+def timed(side, steps: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        side.step()
+    return side.batch * steps / (time.perf_counter() - t0)
+
+
+def compare(name: str, batch: int, rounds: int, steps: int, overrides: list[str]) -> dict:
+    torch.manual_seed(0)
+    ours = Ours(CONFIGS[name] + overrides, batch)
+    peer = Peer(ours)
+    for side in (ours, peer):  # warm-up: allocator, first-call paths, caches
+        side.step(), side.step()
+    rates = {"ours": [], "peer": []}
+    for r in range(rounds):
+        order = (("ours", ours), ("peer", peer)) if r % 2 == 0 else (("peer", peer), ("ours", ours))
+        for key, side in order:
+            rates[key].append(timed(side, steps))
+    o, p = statistics.median(rates["ours"]), statistics.median(rates["peer"])
+    m = ours.model.cfg
+    return {"config": name, "hidden": m.hidden, "depth": m.depth, "heads": m.heads, "tokens": ours.comp.num_tokens,
+            "batch": batch, "params_ours": sum(q.numel() for q in ours.model.parameters()), "params_peer": peer.params,
+            "ours_samples_per_s": o, "peer_samples_per_s": p, "ratio": o / p,
+            "rounds_ours": rates["ours"], "rounds_peer": rates["peer"]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", default="demo,S", help="comma-separated: demo, S")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=5, help="alternating rounds (median taken)")
+    p.add_argument("--steps", type=int, default=0, help="steps per side per round (0: 8 for demo, 2 for S)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("overrides", nargs="*", help="config overrides for our side, e.g. parallel.compile=true")
+    p.add_argument("--json", default=os.path.join(ROOT, "bench", "results", "t2i_vs_diffusers.json"))
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = []
+    for name in args.configs.split(","):
+        if name not in CONFIGS:
+            p.error(f"unknown config {name!r}; choose from {sorted(CONFIGS)}")
+        steps = args.steps or (8 if name == "demo" else 2)
+        r = compare(name, args.batch, args.rounds, steps, args.overrides)
+        rows.append(r)
+        print(f"{name:5} hidden {r['hidden']} depth {r['depth']} tokens {r['tokens']} batch {r['batch']}: "
+              f"ours {r['ours_samples_per_s']:.1f} samples/s ({r['params_ours'] / 1e6:.2f}M params), "
+              f"diffusers PixArt {r['peer_samples_per_s']:.1f} ({r['params_peer'] / 1e6:.2f}M): "
+              f"ratio {r['ratio']:.2f}x", flush=True)
+    os.makedirs(os.path.dirname(args.json), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({"threads": args.threads, "rows": rows}, f, indent=1)
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
