@@ -48,3 +48,16 @@ def test_a_trainable_tower_is_called_every_time():
     ctx, _ = cache(["a red circle"])
     torch.testing.assert_close(ctx, tower(["a red circle"])[0])
     assert cache.rows == {} and cache.hits == 0
+
+
+def test_features_do_not_depend_on_the_batch_that_first_met_a_caption():
+    # A resumed run starts with an empty cache and meets its captions in other batches; its
+    # features must be bitwise those of the uninterrupted run.
+    tower = _tower()
+    a, b = CachedTextFeatures(tower), CachedTextFeatures(tower)
+    a(["a red circle", "a blue square in the top left corner", "", "a green cross"])
+    b(["a green cross"])
+    b(["", "a red circle"])
+    b(["a blue square in the top left corner"])
+    for caption in a.rows:
+        assert torch.equal(a.rows[caption][0], b.rows[caption][0]), caption

@@ -32,10 +32,13 @@ class CachedTextFeatures:
 
     The towers are frozen and each caption's features depend on that caption alone (no
     interaction between the rows of a batch), so a repeated caption (a dataset's templates, the
-    empty caption of CFG dropout) is encoded once; only the captions of a batch not seen before
-    go through the tower, together. The result equals the tower's own to fp32 rounding (a row
-    computed in a smaller batch may round differently). A tower with a trainable parameter is
-    called every time."""
+    empty caption of CFG dropout) is encoded once. A caption not seen before goes through the
+    tower alone, never batched with others: a row's rounding can depend on the batch it was
+    computed in, and the features must not depend on which batch first met the caption, or a
+    resumed run (empty cache) would not repeat the uninterrupted one bit for bit. The result
+    equals the tower's batched output to fp32 rounding. A tower with a trainable parameter is
+    called every time. Datasets whose captions rarely repeat gain nothing here: precompute
+    their text features instead (python -m data.precompute)."""
 
     def __init__(self, text_encoder, max_bytes: int = 256 << 20):
         self.text_encoder, self.max_bytes = text_encoder, max_bytes
@@ -52,12 +55,10 @@ class CachedTextFeatures:
         missing = list(dict.fromkeys(c for c in captions if c not in self.rows))
         self.misses += len(missing)
         self.hits += len(captions) - len(missing)
-        if missing:
-            ctx, mask = self.text_encoder(missing)
-            for c, row, m in zip(missing, ctx, mask):
-                row, m = row.clone(), m.clone()  # own storage: the batch tensor is not kept alive
-                self.rows[c] = (row, m)
-                self.bytes += row.nbytes + m.nbytes
+        for c in missing:
+            ctx, mask = self.text_encoder([c])
+            self.rows[c] = (ctx[0], mask[0])
+            self.bytes += ctx[0].nbytes + mask[0].nbytes
         rows = [self.rows[c] for c in captions]
         for c in captions:
             self.rows.move_to_end(c)
