@@ -99,12 +99,17 @@ def hf_tokenizer_dir(path: str) -> str:
     return path if own or not os.path.isdir(sibling) else sibling
 
 
+def hf_tokenize(tokenizer, texts: list[str], context_length: int) -> dict:
+    """A transformers tokenizer's ids and attention mask, padded / truncated to context_length."""
+    return tokenizer(list(texts), padding="max_length", max_length=context_length, truncation=True,
+                     return_tensors="pt")
+
+
 def hf_text_features(model, tokenizer, texts: list[str], context_length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(last hidden state (B, L, width), mask (B, L) bool) of a transformers text encoder, captions
     padded / truncated to exactly `context_length` tokens. Shared by HFTextEncoder and the
     exported diffusers pipeline, so both encode a caption the same way."""
-    enc = tokenizer(list(texts), padding="max_length", max_length=context_length, truncation=True,
-                    return_tensors="pt")
+    enc = hf_tokenize(tokenizer, texts, context_length)
     device = next(model.parameters()).device
     ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
     with torch.no_grad():
@@ -149,8 +154,7 @@ class HFTextEncoder(nn.Module):
         return super().train(False)  # frozen: never leave eval mode (no dropout)
 
     def tokenize(self, texts: list[str]) -> torch.Tensor:
-        return self.tokenizer(list(texts), padding="max_length", max_length=self.context_length, truncation=True,
-                              return_tensors="pt")["input_ids"]
+        return hf_tokenize(self.tokenizer, texts, self.context_length)["input_ids"]
 
     @torch.no_grad()
     def forward(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -52,7 +52,9 @@ class T2IConfig(TextDiffusionSections):
                               f"{', '.join(ARCH_PRESETS[m.arch])}")
         if m.arch == "unet":
             # The DiT's size fields would do nothing: refused rather than silently ignored.
-            for key, value in m.size_overrides().items():
+            sized = m.size_overrides()
+            if sized:
+                key, value = next(iter(sized.items()))
                 raise ConfigError(f"model.{key}={value} sizes the DiT; model.arch=unet is sized by model.preset "
                                   f"({', '.join(ARCH_PRESETS['unet'])}): leave model.{key} unset")
             # Refused here, before any process starts, for the reasons the model's plan gives.

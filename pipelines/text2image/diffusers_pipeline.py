@@ -26,16 +26,15 @@ import os
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from diffusers import (AutoencoderKL, DiffusionPipeline, DPMSolverMultistepScheduler,
                        FlowMatchEulerDiscreteScheduler, ModelMixin, UNet2DConditionModel)
 from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.pipelines.pipeline_utils import ImagePipelineOutput
 
-from common.nn.dit import masked_mean
 from common.nn.text_encoder import TextEncoder, TextEncoderConfig, hf_text_features
 from pipelines.text2image.model import DiT, DiTConfig
+from pipelines.text2image.unet import run_unet
 
 # diffusers finds a component's load method by the base classes its module exposes by name: this
 # module's ModelMixin import (above) is what makes its wrappers loadable.
@@ -213,12 +212,8 @@ class TextToImagePipeline(DiffusionPipeline):
         t = t.reshape(-1).expand(x.shape[0])
         if self.transformer is not None:
             return self.transformer(x, t, ctx, mask, return_dict=False)[0]
-        pooled = masked_mean(ctx.to(x.dtype), mask) if self.config.unet_pooled_text else None
-        p = self.config.unet_patch_size
-        h = F.pixel_unshuffle(x, p) if p > 1 else x
-        h = self.unet(h, t.float(), encoder_hidden_states=ctx.to(x.dtype), encoder_attention_mask=mask,
-                      class_labels=pooled, return_dict=False)[0]
-        return F.pixel_shuffle(h, p) if p > 1 else h
+        return run_unet(self.unet, x, t.float(), ctx, mask, pooled_text=self.config.unet_pooled_text,
+                        patch_size=self.config.unet_patch_size)
 
     def _noise(self, n: int, shape, generator, seed, latents, device, dtype) -> torch.Tensor:
         if latents is not None:

@@ -10,14 +10,13 @@ UNet forward:  x -> conv_in -> down blocks (ResNet [+ transformer: self-attn, cr
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from common.nn.dit import masked_mean
+from common.nn.dit import masked_mean, preset_config
 
 # The timestep scale of the SD family (1000 DDPM steps): t in [0, 1] becomes t * 1000, so the
 # DDPM objective's t / T maps back onto its integer timesteps and flow matching spans the same range.
@@ -75,7 +74,6 @@ _PRESETS = {
                  attention=[False, True, True], heads=[5, 10, 20], transformer_layers=[1, 2, 10],
                  layers_per_block=2, norm_groups=32, linear_projection=True, pooled_text=True),
 }
-PRESETS = tuple(_PRESETS)
 
 # Parallel dimensions the UNet has no plan for, with the reason (its parallel_limits()).
 PARALLEL_LIMITS = {
@@ -89,9 +87,7 @@ PARALLEL_LIMITS = {
 
 
 def unet_config(name: str, **overrides) -> UNetConfig:
-    if name not in _PRESETS:
-        raise ValueError(f"unknown UNet preset {name!r}; choose from {', '.join(PRESETS)}")
-    return dataclasses.replace(UNetConfig(**_PRESETS[name]), **overrides)
+    return preset_config(UNetConfig, _PRESETS, name, **overrides)
 
 
 def diffusers_kwargs(cfg: UNetConfig) -> dict:
@@ -119,6 +115,24 @@ def diffusers_kwargs(cfg: UNetConfig) -> dict:
     if cfg.pooled_text:
         kw.update(class_embed_type="projection", projection_class_embeddings_input_dim=cfg.text_dim)
     return kw
+
+
+def run_unet(unet: nn.Module, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor,
+             context_mask: torch.Tensor | None, *, pooled_text: bool, patch_size: int) -> torch.Tensor:
+    """A UNet2DConditionModel called as this pipeline trains it (shared with the exported diffusers
+    pipeline): timesteps in its units (t * 1000), the masked mean of the text tokens as
+    class_labels when pooled_text, the input space-to-depth by patch_size (pixel_unshuffle
+    before, pixel_shuffle after)."""
+    context = context.to(x.dtype)
+    pooled = masked_mean(context, context_mask) if pooled_text else None
+    # diffusers turns the bool mask into an additive bias of -10000 on masked keys: after the
+    # softmax their weight underflows to exactly 0 in fp32 and bf16.
+    mask = context_mask.bool() if context_mask is not None else None
+    p = patch_size
+    h = F.pixel_unshuffle(x, p) if p > 1 else x
+    h = unet(h, timesteps, encoder_hidden_states=context, encoder_attention_mask=mask, class_labels=pooled,
+             return_dict=False)[0]
+    return F.pixel_shuffle(h, p) if p > 1 else h
 
 
 class UNet(nn.Module):
@@ -166,17 +180,8 @@ class UNet(nn.Module):
         if x.shape[-2] % self.cfg.downsample or x.shape[-1] % self.cfg.downsample:
             raise ValueError(f"UNet input {tuple(x.shape[-2:])} is not divisible by its downsampling "
                              f"factor {self.cfg.downsample}")
-        dtype = x.dtype
-        context = context.to(dtype)
-        pooled = masked_mean(context, context_mask) if self.cfg.pooled_text else None
-        # diffusers turns the bool mask into an additive bias of -10000 on masked keys: after the
-        # softmax their weight underflows to exactly 0 in fp32 and bf16.
-        mask = context_mask.bool() if context_mask is not None else None
-        p = self.cfg.patch_size
-        h = F.pixel_unshuffle(x, p) if p > 1 else x
-        h = self.unet(h, t.to(torch.float32) * TIME_SCALE, encoder_hidden_states=context,
-                      encoder_attention_mask=mask, class_labels=pooled, return_dict=False)[0]
-        return F.pixel_shuffle(h, p) if p > 1 else h
+        return run_unet(self.unet, x, t.to(torch.float32) * TIME_SCALE, context, context_mask,
+                        pooled_text=self.cfg.pooled_text, patch_size=self.cfg.patch_size)
 
     def flops_per_sample(self, height: int | None = None, width: int | None = None,
                          text_len: int | None = None) -> int:
