@@ -53,6 +53,8 @@ CASES = [
     ("patch_indivisible", ["model.patch_size=5"], ["patch_size"]),
     ("layout_needs_more_ranks", ["parallel.tp=2"], ["parallel", "world size"]),
     ("missing_shards", ["data.train_shards=/nonexistent/shards"], ["/nonexistent/shards", "does not exist"]),
+    ("shard_pattern_matches_nothing", ["data.train_shards={empty_dir}/x-{{000..003}}.tar"],
+     ["{empty_dir}/x-{{000..003}}.tar", "matches no files"]),
     ("empty_shard_dir", ["data.train_shards={empty_dir}"], ["{empty_dir}", "no .tar files"]),
     ("empty_shards", ["data.train_shards={empty_tar}"], ["dataset is empty"]),
     ("not_a_tar", ["data.train_shards={garbage_tar}"], ["not a valid tar"]),
@@ -133,6 +135,18 @@ def test_bad_setting_is_one_line(name, overrides, words, paths, synth_data, tmp_
 def test_bad_config_file_is_one_line(name, config, words, paths, synth_data, tmp_path, capsys, fresh_globals):
     code, err = in_process(argv_for(str(tmp_path / "run"), synth_data, [], config=config.format(**paths)), capsys)
     check_one_line(code, err, fill(words, paths))
+
+
+def test_run_dir_of_another_model_is_one_line(ref_single, synth_data, tmp_path, capsys, fresh_globals):
+    """Relaunching into a run directory whose checkpoints belong to another model (run.resume
+    left at auto) stops before anything in it is replaced."""
+    import shutil
+    run = tmp_path / "run"
+    shutil.copytree(os.path.join(ref_single, "checkpoints"), run / "checkpoints")
+    before = sorted(os.listdir(run / "checkpoints"))
+    code, err = in_process(argv_for(str(run), synth_data, ["model.depth=3", f"train.steps={REF_STEPS + 1}"]), capsys)
+    check_one_line(code, err, ["another model", "depth"])
+    assert sorted(os.listdir(run / "checkpoints")) == before and not (run / "config.yaml").exists()
 
 
 def test_unknown_command_line_option_is_one_line(synth_data, tmp_path, capsys, fresh_globals):
