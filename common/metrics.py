@@ -40,19 +40,24 @@ _MEASURED: dict[tuple, float] = {}
 
 
 def measured_matmul_peak(device: torch.device, dtype: torch.dtype) -> float:
-    """measure_matmul_peak once per process and device/dtype. Under torchrun the ranks take turns
-    (rank r measures after r barriers): ranks sharing a CPU measuring at the same instant would
-    each see a fraction of the cores and report a peak that is too low."""
+    """measure_matmul_peak once per process and device/dtype. On CPU under torchrun, once per
+    host: its first local rank measures while the others wait in the all-gather that shares the
+    figure (ranks sharing a CPU and measuring at once would each see a fraction of the cores;
+    taking turns would cost every rank a measurement of start-up)."""
     key = (device.type, device.index, dtype)
     if key not in _MEASURED:
         n = 1024 if device.type == "cpu" else 8192
         dist = torch.distributed
         ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if ranks > 1 and device.type == "cpu":
-            for turn in range(ranks):
-                if turn == dist.get_rank():
-                    _MEASURED[key] = measure_matmul_peak(device, dtype, n=n)
-                dist.barrier()
+            rank = dist.get_rank()
+            local = int(os.environ.get("LOCAL_RANK", rank))
+            mine = torch.tensor([measure_matmul_peak(device, dtype, n=n) if local == 0 else 0.0], dtype=torch.float64)
+            values = [torch.zeros_like(mine) for _ in range(ranks)]
+            dist.all_gather(values, mine)
+            # torchrun numbers each host's ranks contiguously: the leader is rank - local rank.
+            leader = float(values[rank - local]) if 0 <= rank - local < ranks else 0.0
+            _MEASURED[key] = leader if leader > 0 else max(float(v) for v in values)
         else:
             _MEASURED[key] = measure_matmul_peak(device, dtype, n=n)
     return _MEASURED[key]

@@ -54,3 +54,25 @@ def test_device_table_names():
     assert hardware.dtype_name(torch.bfloat16) == "bf16"
     with pytest.raises(KeyError, match="a100-sxm: no published peak for fp8"):
         hardware.DEVICES["a100-sxm"].peak("fp8")
+
+
+def _two_ranks_measure(rank, world_size):
+    calls = []
+
+    def fake_measure(device, dtype, n=1024, reps=8):
+        calls.append(rank)
+        return 1e12 * (rank + 1)
+
+    metrics.measure_matmul_peak = fake_measure
+    metrics._MEASURED.clear()
+    first = metrics.measured_matmul_peak(torch.device("cpu"), torch.float32)
+    again = metrics.measured_matmul_peak(torch.device("cpu"), torch.float32)
+    return first, again, calls
+
+
+@pytest.mark.dist
+def test_cpu_ranks_of_one_host_share_one_measurement():
+    from tests.dist_harness import run_ranks
+    results = run_ranks(_two_ranks_measure, 2)
+    # Local rank 0 measured once; rank 1 took its figure and measured nothing.
+    assert results == [(1e12, 1e12, [0]), (1e12, 1e12, [])], results
