@@ -1,5 +1,8 @@
 """Shared fixtures: a small synthetic dataset made once per session, and helpers that run the
-text2image entrypoints as users do (subprocesses, torchrun for several ranks)."""
+text2image entrypoints as users do (subprocesses, torchrun for several ranks).
+
+Reference runs that many tests read go through `shared_once`: made once per session even under
+pytest-xdist, where each worker would otherwise make its own."""
 from __future__ import annotations
 
 import glob
@@ -19,12 +22,31 @@ SMALL_MODEL = ["model.hidden=32", "model.depth=2", "model.heads=2", "model.patch
                "sample.steps=2", "sample.num=4", "train.progress=false", "data.num_workers=0"]
 
 
+def shared_once(tmp_path_factory, name: str, build) -> str:
+    """The directory `name`, filled by build(path) once per test session and then only read.
+    Under pytest-xdist the workers' temp dirs share a parent: the first worker to get the file
+    lock builds it there and the others wait for it. A build that failed is redone."""
+    import shutil
+
+    from filelock import FileLock
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    path = root / f"shared-{name}"
+    with FileLock(str(root / f"shared-{name}.lock")):
+        if not (root / f"shared-{name}.done").exists():
+            shutil.rmtree(path, ignore_errors=True)
+            path.mkdir()
+            build(str(path))
+            (root / f"shared-{name}.done").touch()
+    return str(path)
+
+
 @pytest.fixture(scope="session")
 def synth_data(tmp_path_factory):
     from data.synth import generate
-    out = tmp_path_factory.mktemp("synth")
-    generate(str(out), count=256, heldout_count=32, size=32, shard_size=32, seed=0)
-    return str(out)
+    return shared_once(tmp_path_factory, "synth", lambda out: generate(
+        out, count=256, heldout_count=32, size=32, shard_size=32, seed=0, progress=False))
 
 
 def env() -> dict:

@@ -21,7 +21,7 @@ import os
 import pytest
 import torch
 
-from tests.conftest import assert_same_training, run_train
+from tests.conftest import assert_same_training, run_train, shared_once
 from tests.conftest import final_weights as conftest_final_weights
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
@@ -83,9 +83,8 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def single_run(synth_data, tmp_path_factory):
-    run = str(tmp_path_factory.mktemp("single") / "run")
-    run_train(run, synth_data, *COMMON, f"data.micro_batch_size={GLOBAL_BATCH}")
-    return run
+    return shared_once(tmp_path_factory, "grid-single", lambda run: run_train(
+        run, synth_data, *COMMON, f"data.micro_batch_size={GLOBAL_BATCH}"))
 
 
 _loaded: dict[tuple, dict[str, torch.Tensor]] = {}
@@ -142,18 +141,16 @@ RESUME_COMMON = [f"train.steps={RESUME_STEPS}", "train.log_every=1", "train.ckpt
 
 @pytest.fixture(scope="module")
 def uninterrupted(synth_data, tmp_path_factory):
-    run = str(tmp_path_factory.mktemp("whole") / "run")
-    run_train(run, synth_data, *RESUME_COMMON, f"data.micro_batch_size={GLOBAL_BATCH}")
-    return run
+    return shared_once(tmp_path_factory, "grid-whole", lambda run: run_train(
+        run, synth_data, *RESUME_COMMON, f"data.micro_batch_size={GLOBAL_BATCH}"))
 
 
 @pytest.fixture(scope="module")
 def fsdp_checkpoint(synth_data, tmp_path_factory):
     """Steps 1-3 under FSDP over 2 ranks, then 'killed' right after the step-3 checkpoint."""
-    run = str(tmp_path_factory.mktemp("fsdp") / "run")
-    run_train(run, synth_data, *RESUME_COMMON, "train.stop_after=4", "data.micro_batch_size=4",
-              "parallel.dp_mode=fsdp", nproc=2)
-    return run
+    return shared_once(tmp_path_factory, "grid-fsdp-killed", lambda run: run_train(
+        run, synth_data, *RESUME_COMMON, "train.stop_after=4", "data.micro_batch_size=4", "parallel.dp_mode=fsdp",
+        nproc=2))
 
 
 @pytest.mark.parametrize("layout", ["single", "tp2", "fsdp4", "pp2"])

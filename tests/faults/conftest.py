@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.conftest import shared_once
+
 from .harness import tail, train
 
 REF_STEPS = 8
@@ -11,7 +13,7 @@ REF_STEPS = 8
 @pytest.fixture(scope="session")
 def ref_single(synth_data, tmp_path_factory):
     """One process, REF_STEPS steps, a checkpoint every 2 steps (all kept)."""
-    run = str(tmp_path_factory.mktemp("ref_single") / "run")
-    proc = train(run, synth_data, f"train.steps={REF_STEPS}")
-    assert proc.returncode == 0, tail(proc)
-    return run
+    def build(run):
+        proc = train(run, synth_data, f"train.steps={REF_STEPS}")
+        assert proc.returncode == 0, tail(proc)
+    return shared_once(tmp_path_factory, "faults-ref-single", build)

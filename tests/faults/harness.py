@@ -45,8 +45,12 @@ def random_steps(seed: int, count: int, lo: int, hi: int) -> list[int]:
 
 def checkpoint_state(ckpt_dir: str) -> dict[str, torch.Tensor]:
     """Every tensor of a DCP checkpoint (model, optimizer, EMA), flattened to dotted keys."""
+    import tempfile
+
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    tmp = ckpt_dir.rstrip("/") + ".flat.pt"
+    # Not beside the checkpoint: reference runs are shared by the test workers, read-only.
+    fd, tmp = tempfile.mkstemp(suffix=".flat.pt")
+    os.close(fd)
     try:
         dcp_to_torch_save(ckpt_dir, tmp)
         state = torch.load(tmp, weights_only=False)
