@@ -127,9 +127,8 @@ def file_tree(d: str) -> dict[str, bytes]:
 def vqa_data(tmp_path_factory):
     """A small synthetic VQA set (data.synth --vqa): train/ and heldout/ shards of 48 px images."""
     from data.synth_vqa import generate_vqa
-    out = tmp_path_factory.mktemp("vqa")
-    generate_vqa(str(out), count=192, heldout_count=32, shard_size=64, seed=0)
-    return str(out)
+    return shared_once(tmp_path_factory, "vqa", lambda out: generate_vqa(
+        out, count=192, heldout_count=32, shard_size=64, seed=0))
 
 
 @pytest.fixture(scope="session")
@@ -137,7 +136,6 @@ def synth3d_data(tmp_path_factory):
     """A small synthetic 3-D set (data.synth --3d): train/ and heldout/ shards of coloured
     primitives with 512 surface points and 256 occupancy queries each."""
     from data.synth_3d import generate_3d
-    out = tmp_path_factory.mktemp("synth3d")
-    generate_3d(str(out), count=128, heldout_count=16, points=512, occupancy=256, shard_size=32, seed=0)
-    return str(out)
+    return shared_once(tmp_path_factory, "synth3d", lambda out: generate_3d(
+        out, count=128, heldout_count=16, points=512, occupancy=256, shard_size=32, seed=0))
 

@@ -23,7 +23,7 @@ import torch
 
 from common.config import ConfigError
 from common.dist import check_devices, launch_env
-from tests.conftest import ROOT, SMALL_MODEL, TINY_YAML, assert_same_training, env, run_train
+from tests.conftest import ROOT, SMALL_MODEL, TINY_YAML, assert_same_training, env, run_train, shared_once
 from tests.conftest import final_weights as conftest_final_weights
 
 STEPS = 3
@@ -66,9 +66,8 @@ def assert_same_weights(ref_run: str, run: str) -> None:
 
 @pytest.fixture(scope="module")
 def single_run(synth_data, tmp_path_factory):
-    run = str(tmp_path_factory.mktemp("single") / "run")
-    run_train(run, synth_data, *COMMON, f"data.micro_batch_size={GLOBAL_BATCH}")
-    return run
+    return shared_once(tmp_path_factory, "launch-single", lambda run: run_train(
+        run, synth_data, *COMMON, f"data.micro_batch_size={GLOBAL_BATCH}"))
 
 
 # --------------------------------------------------------------------------- start-up checks

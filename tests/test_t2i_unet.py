@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from tests.conftest import ROOT, assert_same_training, final_weights, read_metrics, run_checked, run_module, train_cmd
+from tests.conftest import ROOT, assert_same_training, final_weights, read_metrics, run_checked, run_module, shared_once, train_cmd
 
 UNET_YAML = os.path.join(ROOT, "pipelines/text2image/configs/tiny_unet.yaml")
 # The tiny UNet with a small text tower (its width is the UNet's cross-attention width).
@@ -253,9 +253,8 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def single_unet_run(synth_data, tmp_path_factory):
-    run = str(tmp_path_factory.mktemp("unet_single") / "run")
-    run_unet(run, synth_data, *EQUIV, "data.micro_batch_size=8")
-    return run
+    return shared_once(tmp_path_factory, "unet-single", lambda run: run_unet(
+        run, synth_data, *EQUIV, "data.micro_batch_size=8"))
 
 
 @pytest.mark.slow

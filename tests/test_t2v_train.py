@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import ROOT, env, read_metrics, run_module
+from tests.conftest import ROOT, env, read_metrics, run_module, shared_once
 
 TINY_YAML = os.path.join(ROOT, "pipelines/text2video/configs/tiny.yaml")
 # 8 frames of 32 px, patches 2 x 4 x 4 -> 256 tokens; a model that runs a step in well under a second.
@@ -27,9 +27,8 @@ SMALL_MODEL = ["model.hidden=32", "model.depth=2", "model.heads=2", "text.width=
 @pytest.fixture(scope="module")
 def video_data(tmp_path_factory):
     from data.synth_video import generate_video
-    out = tmp_path_factory.mktemp("synth_video")
-    generate_video(str(out), count=32, heldout_count=4, size=32, frames=8, shard_size=8, seed=0)
-    return str(out)
+    return shared_once(tmp_path_factory, "synth-video", lambda out: generate_video(
+        out, count=32, heldout_count=4, size=32, frames=8, shard_size=8, seed=0))
 
 
 def run_t2v(run_dir: str, data_dir: str, *overrides: str, nproc: int = 1, check: bool = True,
@@ -279,16 +278,14 @@ CP_COMMON = ["train.steps=5", "train.log_every=1", "train.ckpt_every=100", "trai
 
 @pytest.fixture(scope="module")
 def cp_reference(video_data, tmp_path_factory):
-    run = str(tmp_path_factory.mktemp("t2v_single") / "run")
-    run_t2v(run, video_data, *CP_COMMON, "data.micro_batch_size=8")
-    return run
+    return shared_once(tmp_path_factory, "t2v-single", lambda run: run_t2v(
+        run, video_data, *CP_COMMON, "data.micro_batch_size=8"))
 
 
 @pytest.fixture(scope="module")
 def factorized_reference(video_data, tmp_path_factory):
-    run = str(tmp_path_factory.mktemp("t2v_factorized") / "run")
-    run_t2v(run, video_data, *CP_COMMON, "data.micro_batch_size=8", "model.attention=factorized")
-    return run
+    return shared_once(tmp_path_factory, "t2v-factorized", lambda run: run_t2v(
+        run, video_data, *CP_COMMON, "data.micro_batch_size=8", "model.attention=factorized"))
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import assert_same_training
+from tests.conftest import assert_same_training, shared_once
 from tests.conftest import final_weights as conftest_final_weights
 from tests.test_t3d_train import run_t3d
 
@@ -30,9 +30,8 @@ LAYOUTS = {  # name: (stage config, processes, overrides); micro batch x dp = 8
 def single_runs(synth3d_data, tmp_path_factory):
     out = {}
     for config in ("tiny_points.yaml", "tiny_vae.yaml"):
-        run = str(tmp_path_factory.mktemp("single") / config.split(".")[0])
-        run_t3d(config, run, synth3d_data, *COMMON, "data.micro_batch_size=8")
-        out[config] = run
+        out[config] = shared_once(tmp_path_factory, "t3d-single-" + config.split(".")[0], lambda run: run_t3d(
+            config, run, synth3d_data, *COMMON, "data.micro_batch_size=8"))
     return out
 
 

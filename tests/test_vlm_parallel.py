@@ -23,7 +23,7 @@ import subprocess
 import pytest
 import torch
 
-from tests.conftest import ROOT, assert_same_training, run_checked, train_cmd
+from tests.conftest import ROOT, assert_same_training, run_checked, shared_once, train_cmd
 from tests.conftest import final_weights as conftest_final_weights
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
@@ -66,16 +66,14 @@ def run_vlm(run_dir: str, data_dir: str, tokenizer: str, *overrides: str, nproc:
 def tokenizer(vqa_data, tmp_path_factory):
     """One BPE for every run (the same one each run would train into its own run dir)."""
     from data.tokenizer import train_from_shards
-    out = str(tmp_path_factory.mktemp("vlm_tok") / "tokenizer")
-    train_from_shards([vqa_data + "/train"], 512).save(out)
-    return out
+    return os.path.join(shared_once(tmp_path_factory, "vlm-tokenizer", lambda d: train_from_shards(
+        [vqa_data + "/train"], 512).save(os.path.join(d, "tokenizer"))), "tokenizer")
 
 
 @pytest.fixture(scope="module")
 def single_run(vqa_data, tokenizer, tmp_path_factory):
-    run = str(tmp_path_factory.mktemp("vlm_single") / "run")
-    run_vlm(run, vqa_data, tokenizer, *COMMON, f"data.micro_batch_size={GLOBAL_BATCH}")
-    return run
+    return shared_once(tmp_path_factory, "vlm-single", lambda run: run_vlm(
+        run, vqa_data, tokenizer, *COMMON, f"data.micro_batch_size={GLOBAL_BATCH}"))
 
 
 def final_weights(run: str, step: int) -> dict[str, torch.Tensor]:
@@ -125,17 +123,16 @@ RESUME_COMMON = [f"train.steps={RESUME_STEPS}", "train.ckpt_every=3"]
 
 @pytest.fixture(scope="module")
 def uninterrupted(vqa_data, tokenizer, tmp_path_factory):
-    run = str(tmp_path_factory.mktemp("vlm_whole") / "run")
-    run_vlm(run, vqa_data, tokenizer, *RESUME_COMMON, f"data.micro_batch_size={GLOBAL_BATCH}")
-    return run
+    return shared_once(tmp_path_factory, "vlm-whole", lambda run: run_vlm(
+        run, vqa_data, tokenizer, *RESUME_COMMON, f"data.micro_batch_size={GLOBAL_BATCH}"))
 
 
 @pytest.fixture(scope="module")
 def fsdp_checkpoint(vqa_data, tokenizer, tmp_path_factory):
     """Steps 1-4 under FSDP over 2 ranks, 'killed' after step 4: the last checkpoint is step 3."""
-    run = str(tmp_path_factory.mktemp("vlm_fsdp") / "run")
-    run_vlm(run, vqa_data, tokenizer, *RESUME_COMMON, "train.stop_after=4", "data.micro_batch_size=4",
-            "parallel.dp_shard=2", nproc=2)
+    run = shared_once(tmp_path_factory, "vlm-fsdp-killed", lambda run: run_vlm(
+        run, vqa_data, tokenizer, *RESUME_COMMON, "train.stop_after=4", "data.micro_batch_size=4",
+        "parallel.dp_shard=2", nproc=2))
     assert [os.path.basename(p) for p in sorted(glob.glob(os.path.join(run, "checkpoints", "step_*")))] \
         == ["step_00000003"]
     return run
