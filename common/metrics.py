@@ -55,9 +55,9 @@ def measured_matmul_peak(device: torch.device, dtype: torch.dtype) -> float:
             mine = torch.tensor([measure_matmul_peak(device, dtype, n=n) if local == 0 else 0.0], dtype=torch.float64)
             values = [torch.zeros_like(mine) for _ in range(ranks)]
             dist.all_gather(values, mine)
-            # torchrun numbers each host's ranks contiguously: the leader is rank - local rank.
-            leader = float(values[rank - local]) if 0 <= rank - local < ranks else 0.0
-            _MEASURED[key] = leader if leader > 0 else max(float(v) for v in values)
+            # torchrun numbers each host's ranks contiguously: the leader is rank - local rank
+            # (any measured figure if a launcher numbered them otherwise).
+            _MEASURED[key] = float(values[rank - local]) or max(float(v) for v in values)
         else:
             _MEASURED[key] = measure_matmul_peak(device, dtype, n=n)
     return _MEASURED[key]

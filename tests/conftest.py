@@ -32,13 +32,13 @@ def shared_once(tmp_path_factory, name: str, build) -> str:
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = root.parent
-    path = root / f"shared-{name}"
+    path, done = root / f"shared-{name}", root / f"shared-{name}.done"
     with FileLock(str(root / f"shared-{name}.lock")):
-        if not (root / f"shared-{name}.done").exists():
+        if not done.exists():
             shutil.rmtree(path, ignore_errors=True)
             path.mkdir()
             build(str(path))
-            (root / f"shared-{name}.done").touch()
+            done.touch()
     return str(path)
 
 

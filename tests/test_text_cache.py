@@ -1,6 +1,4 @@
 """The per-caption cache of a frozen text tower's features (common/diffusion/text_conditioned.py)."""
-import os
-
 import torch
 
 from common.diffusion.text_conditioned import CachedTextFeatures
@@ -86,7 +84,7 @@ for a, b in zip(lean.state_dict().values(), again.state_dict().values()):
 tokens, mask = lean(['a red circle', 'a blue square in the top left'])
 print(tuple(tokens.shape), int(mask.sum()))
 """
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests.conftest import ROOT
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split("\n")[0].startswith("(2, 16, 32)"), proc.stdout
