@@ -237,7 +237,9 @@ def test_straggler_report_names_the_slow_rank(synth_data, tmp_path):
     reports = _events(run, "straggler")
     assert [r["step"] for r in reports] == [3, 6], reports
     for r in reports:
-        assert r["ranks"] == [1] and r["times_s"][1] >= 0.3 and r["times_s"][0] < 0.3, r
+        # Rank 0's own time is not bounded absolutely: under a loaded test machine its data and
+        # prepare alone took 0.45 s once. It is below rank 1's and not named.
+        assert r["ranks"] == [1] and r["times_s"][1] >= 0.3 and r["times_s"][0] < r["times_s"][1], r
         assert r["times_s"][1] > 1.2 * r["median_s"]
     assert proc.stdout.count("straggler rank 1") == 2, proc.stdout[-3000:]
 
