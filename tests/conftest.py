@@ -1,5 +1,7 @@
 """Shared fixtures: a small synthetic dataset made once per session, and helpers that run the
-text2image entrypoints as users do (subprocesses, torchrun for several ranks).
+text2image entrypoints as users do: `python -m ...` and `torchrun --standalone ...` command lines,
+each process forked from a warm server with the imports done (tests/forked_runs.py; FORKED_RUNS=0
+starts real processes).
 
 Reference runs that many tests read go through `shared_once`: made once per session even under
 pytest-xdist, where each worker would otherwise make its own."""
@@ -12,6 +14,8 @@ import subprocess
 import sys
 
 import pytest
+
+from tests import forked_runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_YAML = os.path.join(ROOT, "pipelines/text2image/configs/tiny.yaml")
@@ -63,9 +67,10 @@ def train_cmd(nproc: int = 1, module: str = "pipelines.text2image.train") -> lis
 
 
 def run_checked(cmd: list[str], timeout: int = 600, check: bool = True) -> subprocess.CompletedProcess:
-    """Run an entrypoint as users do (repo root, PYTHONPATH, one thread); AssertionError with the
-    output's tail when it fails and `check`."""
-    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+    """Run an entrypoint as users do (repo root, PYTHONPATH, one thread), forked from a warm
+    process when it is `python -m` or `torchrun --standalone` (tests/forked_runs.py);
+    AssertionError with the output's tail when it fails and `check`."""
+    proc = forked_runs.run(cmd, env(), ROOT, timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd[:6])} ... failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
                              f"{proc.stderr[-5000:]}")
@@ -81,8 +86,7 @@ def run_train(run_dir: str, data_dir: str, *overrides: str, nproc: int = 1, chec
 
 
 def run_module(module: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env(), capture_output=True,
-                          text=True, timeout=timeout)
+    return forked_runs.run([sys.executable, "-m", module, *args], env(), ROOT, timeout)
 
 
 def read_metrics(run_dir: str) -> dict[int, dict]:

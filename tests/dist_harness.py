@@ -1,24 +1,20 @@
-"""Run a function on N gloo ranks in fresh processes (spawn) and collect what each returns.
+"""Run a function on N gloo ranks in fresh processes and collect what each returns.
 
     results = run_ranks(fn, world_size=2, args=(...))   # fn(rank, world_size, *args) -> picklable
 
-Each rank gets OMP_NUM_THREADS=1 (several ranks share 2 cores) and an initialised gloo process
+Ranks are forked from the tests' warm forkserver (tests/forked_runs.py: torch already imported,
+nothing run yet), or spawned with FORKED_RUNS=0. Each rank gets OMP_NUM_THREADS=1 (several ranks share 2 cores) and an initialised gloo process
 group; an exception in any rank fails the caller with that rank's traceback, and a hang is cut
 off by `timeout` seconds instead of stalling CI.
 """
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests import forked_runs
 
 
 def _entry(rank, world_size, port, fn, args, queue):
@@ -38,9 +34,9 @@ def _entry(rank, world_size, port, fn, args, queue):
 
 
 def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 300.0) -> list:
-    ctx = mp.get_context("spawn")
+    ctx = forked_runs.context() or mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = forked_runs.free_port()
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
     for p in procs:
         p.start()

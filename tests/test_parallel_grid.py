@@ -1,12 +1,12 @@
 """Every parallel layout trains the same model as one process (DESIGN: the correctness rule).
 
-Each layout runs the real entrypoint under torchrun (gloo, fp32, at most 4 ranks) for 5 optimizer
-steps with the same global batch (8 samples) and seed as the single-process run. Per step, the
-loss and the gradient norm must match within rtol 1e-5; afterwards the checkpoint, loaded into
-one process (so every shard is gathered to a full tensor by DCP), must hold the same weights
-(rtol 1e-5, atol 1e-6), and the same EMA weights (what sample and eval use; train.ema_decay=0.9
-with its warmup keeps them apart from the weights). Only the order of floating-point reductions
-differs between layouts.
+Each layout runs the real entrypoint with torchrun's rank variables (gloo, fp32, 2 to 16 ranks,
+forked by tests/forked_runs.py) for 5 optimizer steps with the same global batch (8 samples) and
+seed as the single-process run. Per step, the loss and the gradient norm must match within rtol
+1e-5; afterwards the checkpoint, loaded into one process (so every shard is gathered to a full
+tensor by DCP), must hold the same weights (rtol 1e-5, atol 1e-6), and the same EMA weights
+(what sample and eval use; train.ema_decay=0.9 with its warmup keeps them apart from the
+weights). Only the order of floating-point reductions differs between layouts.
 
 A checkpoint written under one layout must resume under another with the losses continuing as
 if uninterrupted; the data loader's position is a global sample count, so changing the DP

@@ -1,5 +1,5 @@
 """The vision-language pipeline's parallel layouts train the same model as one process (DESIGN:
-the correctness rule), through the real entrypoint (pipelines.vlm.train under torchrun, gloo, fp32).
+the correctness rule), through the real entrypoint (pipelines.vlm.train on torchrun's rank variables, gloo, fp32).
 
 One stage (`stages=[]`, stage.name=full: ViT + projector + Llama all train) for 3 optimizer steps,
 global batch 8 in every layout, packing.loss_average=sample (the per-sample mean does not depend on
