@@ -52,8 +52,8 @@ text23d-demo: setup
 		vae.run=$(T3D_RUN)/vae $(T3D_SHARDS) $(T3D_ARGS)
 	$(PY) -m pipelines.text23d.eval --run $(T3D_RUN)/latent --save-grid $(T3D_RUN)/latent/eval_grid
 
-# Two pytest workers (pytest-xdist): the suite is dominated by subprocess start-up and gloo
-# waits, so two workers on 2 cores finish ~1.5x sooner than one. worksteal: a worker that runs
+# Two pytest workers (pytest-xdist): multi-rank runs spend much of their time waiting on each
+# other (gloo), so two workers on 2 cores finish sooner than one. worksteal: a worker that runs
 # out takes pending tests from the other, so the multi-minute tests do not leave one idle at the
 # end. TEST_JOBS=0 runs in-process.
 TEST_JOBS ?= 2
