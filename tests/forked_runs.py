@@ -156,22 +156,30 @@ def run(cmd: list[str], env: dict, cwd: str, timeout: float) -> subprocess.Compl
     with tempfile.TemporaryDirectory(prefix="forked-run-") as tmp:
         port = free_port()
         procs, files = [], []
-        for rank in range(nproc):
-            rank_env = dict(env)
-            if nproc > 1:
-                rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                                LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", ROLE_RANK=str(rank),
-                                ROLE_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                                TORCHELASTIC_RESTART_COUNT="0")
-            out, err = os.path.join(tmp, f"{rank}.out"), os.path.join(tmp, f"{rank}.err")
-            files.append((out, err))
-            p = ctx.Process(target=_child, args=(module, args, rank_env, cwd, out, err), daemon=False)
-            p.start()
-            procs.append(p)
-        returncode = _wait(procs, timeout, cmd)
+        try:
+            for rank in range(nproc):
+                out, err = os.path.join(tmp, f"{rank}.out"), os.path.join(tmp, f"{rank}.err")
+                files.append((out, err))
+                procs.append(ctx.Process(target=_child, daemon=False,
+                                         args=(module, args, _rank_env(env, rank, nproc, port), cwd, out, err)))
+                procs[-1].start()
+            returncode = _wait(procs, timeout, cmd)
+        except BaseException:  # Ctrl-C, a failed start: no rank outlives the call
+            _stop(procs)
+            raise
         stdout = "".join(_read(out) for out, _ in files)
         stderr = "".join(_read(err) for _, err in files)
     return subprocess.CompletedProcess(cmd, returncode, stdout, stderr)
+
+
+def _rank_env(env: dict, rank: int, nproc: int, port: int) -> dict:
+    """What torchrun --standalone adds to a worker's environment (nothing for one process)."""
+    if nproc == 1:
+        return dict(env)
+    return {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "TORCHELASTIC_RESTART_COUNT": "0"}
 
 
 def _wait(procs, timeout: float, cmd) -> int:
@@ -193,6 +201,7 @@ def _wait(procs, timeout: float, cmd) -> int:
 
 
 def _stop(procs) -> None:
+    procs = [p for p in procs if p.pid is not None]  # started
     for p in procs:
         if p.exitcode is None:
             p.terminate()
