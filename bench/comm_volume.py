@@ -372,7 +372,7 @@ def _fmt(x) -> str:
 
 def report(results: dict, world_of: dict) -> dict:
     table = []
-    print(f"\nbytes per rank per training step (forward + backward + grad hooks), MiB; wire = ring-algorithm bytes sent")
+    print("\nbytes per rank per training step (forward + backward + grad hooks), MiB; wire = ring-algorithm bytes sent")
     print(f"{'layout':<13} {'collective':<15} {'group':<12} {'calls':>5} {'buffer':>9} {'analyt.':>9} "
           f"{'wire':>9} {'analyt.':>9} {'ratio':>6}")
     for name, res in results.items():

@@ -171,7 +171,6 @@ def main() -> int:
                             "err_kernel": ek, "err_torch": et, "bound": bound, "ok": ok,
                             "seconds": round(time.perf_counter() - t0, 2)})
 
-    f32 = torch.float32
     eps = 1e-6
     # ---- RMSNorm / LayerNorm through the dispatch (backend="triton" runs the kernel on CPU
     #      only because TRITON_INTERPRET is set) -------------------------------------------

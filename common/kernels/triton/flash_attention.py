@@ -13,7 +13,6 @@ every buffer the kernels allocate with NaN first, so an element a kernel forgets
 """
 from __future__ import annotations
 
-import math
 import os
 
 import torch
