@@ -4,10 +4,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 RUN ?= runs/tiny
 DATA ?= datasets/synth
-# Extra train overrides, e.g. make demo DEMO_ARGS="train.steps=4500" (about 15 minutes of training).
+# Extra train overrides, e.g. make demo DEMO_ARGS="train.steps=3000" (longer training).
 DEMO_ARGS ?=
 
-.PHONY: setup demo vlm-demo text23d-demo test test-fast bench clean
+.PHONY: setup demo demo-dit vlm-demo text23d-demo test test-fast bench clean
 
 setup: $(VENV)/.installed
 
@@ -19,11 +19,20 @@ $(VENV)/.installed: pyproject.toml requirements.lock
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
+# The text2image demo: the tiny Stable-Diffusion-style UNet (tiny_unet.yaml); demo-dit trains the
+# tiny DiT (tiny.yaml) on the same data into runs/tiny-dit.
 demo: setup
 	$(PY) -m data.synth --out $(DATA)
-	$(PY) -m pipelines.text2image.train --config pipelines/text2image/configs/tiny.yaml run.dir=$(RUN) \
+	$(PY) -m pipelines.text2image.train --config pipelines/text2image/configs/tiny_unet.yaml run.dir=$(RUN) \
 		data.train_shards=$(DATA)/train data.eval_shards=$(DATA)/heldout $(DEMO_ARGS)
 	$(PY) -m pipelines.text2image.eval --run $(RUN) --save-grid $(RUN)/eval_grid.png
+
+DIT_RUN ?= runs/tiny-dit
+demo-dit: setup
+	$(PY) -m data.synth --out $(DATA)
+	$(PY) -m pipelines.text2image.train --config pipelines/text2image/configs/tiny.yaml run.dir=$(DIT_RUN) \
+		data.train_shards=$(DATA)/train data.eval_shards=$(DATA)/heldout $(DEMO_ARGS)
+	$(PY) -m pipelines.text2image.eval --run $(DIT_RUN) --save-grid $(DIT_RUN)/eval_grid.png
 
 # The vision-language pipeline on synthetic VQA: CLIP, align and instruct stages, then eval.
 VLM_RUN ?= runs/vlm-tiny
@@ -67,4 +76,4 @@ bench: setup
 	$(PY) bench/t2i_cpu.py
 
 clean:
-	rm -rf $(RUN) $(DATA) $(VLM_RUN) $(VQA_DATA) $(T3D_RUN) $(T3D_DATA)
+	rm -rf $(RUN) $(DIT_RUN) $(DATA) $(VLM_RUN) $(VQA_DATA) $(T3D_RUN) $(T3D_DATA)
