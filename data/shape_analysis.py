@@ -199,3 +199,22 @@ def score(images: Iterable, attrs: Sequence[dict]) -> dict:
     if n == 0:
         return {"colour_acc": 0.0, "shape_acc": 0.0, "both_acc": 0.0, "n": 0}
     return {"colour_acc": colour_ok / n, "shape_acc": shape_ok / n, "both_acc": both_ok / n, "n": n}
+
+
+def mean_pairwise_distance(images: Sequence) -> float:
+    """Mean RMS pixel distance (0..255) over every pair of `images` (HxWx3 each, as `analyse`
+    takes them): how spread out a set of images is. ValueError with fewer than 2 usable images."""
+    rgb = [a for a in (_as_rgb(img) for img in images) if a is not None]
+    if len(rgb) < 2 or len({a.shape for a in rgb}) != 1:
+        raise ValueError(f"mean_pairwise_distance needs >= 2 images of one size, got {len(rgb)} usable")
+    flat = np.stack(rgb).reshape(len(rgb), -1)
+    sq = (flat * flat).sum(1)
+    d2 = (sq[:, None] + sq[None, :] - 2.0 * flat @ flat.T) / flat.shape[1]
+    upper = np.triu_indices(len(rgb), 1)
+    return float(np.sqrt(np.maximum(d2[upper], 0.0)).mean())
+
+
+def diversity_ratio(generated: Sequence, real: Sequence) -> float:
+    """Spread of one prompt's samples over that of real images of its class (1: as varied as the
+    data, near 0: the same image every time)."""
+    return mean_pairwise_distance(generated) / mean_pairwise_distance(real)

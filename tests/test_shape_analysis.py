@@ -12,7 +12,7 @@ from PIL import Image
 
 from data import shapes as S
 from data import synth
-from data.shape_analysis import analyse, score
+from data.shape_analysis import analyse, diversity_ratio, mean_pairwise_distance, score
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +96,29 @@ def test_mild_noise_degrades_gracefully():
         right += r["shape"] == a["shape"] and r["colour"] == a["colour"]
         wrong += r["shape"] is not None and r["shape"] != a["shape"]
     assert right >= 57 and wrong <= 2
+
+
+def test_mean_pairwise_distance_is_the_mean_rms_over_pairs():
+    rng = np.random.default_rng(0)
+    images = [rng.integers(0, 256, (9, 7, 3), dtype=np.uint8) for _ in range(6)]
+    pairs = [np.sqrt(((images[i].astype(np.float64) - images[j]) ** 2).mean())
+             for i in range(6) for j in range(i + 1, 6)]
+    assert mean_pairwise_distance(images) == pytest.approx(np.mean(pairs), rel=1e-9)
+    assert mean_pairwise_distance([images[0]] * 4) == pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(ValueError):
+        mean_pairwise_distance(images[:1])
+
+
+def test_diversity_ratio_of_real_images_and_of_a_collapsed_model(decoded):
+    """Two halves of one class's real images are about as spread as each other; a 'model' that
+    draws one image for every seed scores 0."""
+    images, attrs = decoded
+    by_class = {}
+    for img, a in zip(images, attrs):
+        if img.shape[0] == 32:
+            by_class.setdefault((a["colour"], a["shape"]), []).append(img)
+    real = max(by_class.values(), key=len)
+    assert len(real) >= 8
+    half = len(real) // 2
+    assert 0.7 < diversity_ratio(real[:half], real[half:]) < 1.4
+    assert diversity_ratio([real[0]] * 8, real) == pytest.approx(0.0, abs=1e-6)

@@ -48,6 +48,11 @@ def test_run_dir_layout_and_sample_eval_clis(synth_data, tmp_path):
     assert proc.returncode == 0, proc.stderr
     result = json.load(open(os.path.join(run, "eval.json")))
     assert result["n"] == 4 and "colour accuracy" in proc.stdout
+    # Diversity beside accuracy: 8 samples of "a COLOUR SHAPE" per held-out class over the class's
+    # real spread (data.shape_analysis.diversity_ratio, checked there).
+    assert result["diversity"]["samples_per_prompt"] == 8 and "diversity at guidance" in proc.stdout
+    assert all(n >= 2 for n in result["diversity"]["real_per_class"].values())
+    assert result["diversity"]["ratio"] > 0
     # The figures are those of the analyser on what sample.py draws for the same held-out captions
     # and seeds (0..3), against those samples' own attributes.
     import numpy as np

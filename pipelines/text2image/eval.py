@@ -4,19 +4,85 @@ For each held-out sample the caption is used as the prompt; the generated image 
 from its pixels alone (data.shape_analysis) and compared with the sample's attributes. Prints
 colour, shape and joint accuracy and writes eval.json into the run directory.
 
+Diversity, beside accuracy: for the first held-out colour/shape classes, `--diversity` samples of
+the prompt "a COLOUR SHAPE" (which leaves background, place and size to the model), their mean
+pairwise pixel distance over that of the class's real held-out images, at the same guidance.
+
   python -m pipelines.text2image.eval --run RUN_DIR [--shards SPEC] [--num N] [--steps S] [--cfg W]
 """
+import argparse
+import io
+
+import numpy as np
+import torch
+from PIL import Image
+
 from common.cli import run_cli
+from common.data.captions import read_attributes
+from common.data.images import image_bytes
+from common.data.shards import iter_samples
 from common.run import evaluate
-from data.shape_analysis import score
+from data.shape_analysis import diversity_ratio, score
 from pipelines.text2image.spec import SPEC
+
+REAL_PER_CLASS = 32  # real held-out images per class for the reference spread
+
+
+def _count(minimum: int, zero_ok: bool = False):
+    def parse(text: str) -> int:
+        n = int(text)
+        if n < minimum and not (zero_ok and n == 0):
+            raise argparse.ArgumentTypeError(f"{n}: must be {'0 or ' if zero_ok else ''}>= {minimum}")
+        return n
+    parse.__name__ = "int"  # argparse's message for a non-number: "invalid int value"
+    return parse
+
+
+def add_diversity_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--diversity", type=_count(2, zero_ok=True), default=8,
+                   help="samples per prompt for the diversity figure (default 8; 0 skips it)")
+    p.add_argument("--diversity-classes", type=_count(1), default=4,
+                   help="held-out colour/shape classes it averages over (default 4)")
+
+
+def diversity(args, comp, examples, result) -> list[str]:
+    """Adds result["diversity"]: per class and mean ratio of sample spread to real spread."""
+    if args.diversity == 0:
+        return []
+    classes = list(dict.fromkeys((a["colour"], a["shape"]) for _, a in examples))[:args.diversity_classes]
+    real: dict[tuple, list] = {c: [] for c in classes}
+    for sample in iter_samples(args.shards):
+        attrs = read_attributes(sample)
+        c = (attrs.get("colour"), attrs.get("shape"))
+        raw = image_bytes(sample)
+        if c in real and len(real[c]) < REAL_PER_CLASS and raw is not None:
+            real[c].append(np.asarray(Image.open(io.BytesIO(raw)).convert("RGB")))
+            if all(len(v) == REAL_PER_CLASS for v in real.values()):
+                break
+    classes = [c for c in classes if len(real[c]) >= 2]
+    if not classes:
+        return ["diversity: no held-out class has 2 real images"]
+    prompts = [f"a {colour} {shape}" for colour, shape in classes for _ in range(args.diversity)]
+    seeds = [args.seed + 1_000_000 + i for i in range(len(prompts))]  # apart from the accuracy seeds
+    media = SPEC.generate(comp, comp.model, prompts, seeds, steps=result["steps"], guidance=result["cfg"],
+                          device=torch.device("cpu")).numpy()
+    per_class = {f"{colour} {shape}": diversity_ratio(media[i * args.diversity:(i + 1) * args.diversity],
+                                                      real[(colour, shape)])
+                 for i, (colour, shape) in enumerate(classes)}
+    mean = float(np.mean(list(per_class.values())))
+    result["diversity"] = {"ratio": mean, "per_class": per_class, "samples_per_prompt": args.diversity,
+                           "real_per_class": {f"{c} {s}": len(real[(c, s)]) for c, s in classes}}
+    return [f"diversity at guidance {result['cfg']}: {mean:.2f} (mean pairwise pixel distance of {args.diversity} "
+            f"samples of one prompt over that of real images of its class; {len(classes)} classes: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in per_class.items()) + ")"]
 
 
 def main(argv=None) -> int:
     return evaluate(SPEC, argv, __doc__, default_num=256, grid_max=64, needs="shape", data_hint="data.synth",
                     score=lambda images, attrs: score(images.numpy(), attrs),
                     report=lambda r: (f"colour accuracy {r['colour_acc']:.1%}, shape accuracy {r['shape_acc']:.1%}, "
-                                      f"both {r['both_acc']:.1%}"))
+                                      f"both {r['both_acc']:.1%}"),
+                    add_args=add_diversity_args, extend=diversity)
 
 
 if __name__ == "__main__":
