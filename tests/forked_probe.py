@@ -16,6 +16,15 @@ if __name__ == "__main__":
         if os.environ["RANK"] == "1":
             sys.exit(3)
         time.sleep(600)
+    elif action == "loader-workers":  # whose children a DataLoader's workers are
+        import torch.utils.data as tud
+
+        class Parents(tud.IterableDataset):
+            def __iter__(self):
+                yield os.getppid()
+
+        parents = set(int(p) for p in tud.DataLoader(Parents(), batch_size=None, num_workers=2))
+        print(f"workers_are_children={parents == {os.getpid()}}")
     elif action == "raise":
         raise RuntimeError("probe failed")
     elif action == "sleep":

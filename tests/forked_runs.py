@@ -102,6 +102,11 @@ def _child(module: str, args: list[str], env: dict, cwd: str, out: str, err: str
         os.dup2(f, fd)
         os.close(f)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    # A forkserver child has "forkserver" as its default start method; a new process has the
+    # platform's, under which a DataLoader's workers are the rank's own children (and notice
+    # when it dies) instead of children of a nested forkserver that outlives it.
+    import multiprocessing
+    multiprocessing.set_start_method(None, force=True)
     sys.argv = [module, *args]
     sys.modules.pop(module, None)  # as in a fresh process: run as __main__, not found imported
     try:

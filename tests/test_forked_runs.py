@@ -44,6 +44,16 @@ def test_one_process_gets_argv_cwd_output_and_exit_status():
     assert "Traceback" in failed.stderr and "RuntimeError: probe failed" in failed.stderr
 
 
+def test_data_loader_workers_are_the_runs_own_children():
+    """As in a new process (not children of a forkserver nested in the fork, which would outlive
+    a killed run)."""
+    real = subprocess.run(train_cmd(1, PROBE) + ["loader-workers"], cwd=ROOT, env=env(), capture_output=True,
+                          text=True, timeout=120)
+    assert "workers_are_children=True" in real.stdout, real.stderr[-2000:]
+    forked = probe("loader-workers", timeout=120)
+    assert "workers_are_children=True" in forked.stdout, forked.stderr[-2000:]
+
+
 def test_nothing_leaks_from_one_run_to_the_next():
     assert probe("leak").returncode == 0
     assert "leaked_env=False leaked_module=False" in probe("look").stdout
