@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from common.kernels import (apply_rope, attention, attention_reference, layer_norm, modulate,
-                            norm_modulate, rms_norm, rope_frequencies, use_backend)
+                            norm_modulate, rms_norm, rms_norm_rope, rope_frequencies, use_backend)
 
 ATOL, RTOL = 1e-5, 1e-4
 
@@ -100,6 +100,60 @@ def test_norms_match_fp64():
     torch.testing.assert_close(modulate(x, shift[:, None], scale[:, None]), modulate(x, shift, scale))
     ref_nm = (xd - mu) / torch.sqrt(var + 1e-6) * (1 + scale.double()[:, None]) + shift.double()[:, None]
     torch.testing.assert_close(norm_modulate(x, shift, scale, 1e-6).double(), ref_nm, atol=ATOL, rtol=RTOL)
+
+
+def _norm_rope_fp64(x, w, cos, sin, eps=1e-6):
+    """QK-norm then rotate-half RoPE, written out in float64 (no project code)."""
+    y = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+    if cos is None:
+        return y
+    y1, y2 = y.chunk(2, dim=-1)
+    return y * cos + torch.cat([-y2, y1], dim=-1) * sin
+
+
+@pytest.mark.parametrize("with_rope", [True, False])
+def test_fused_norm_rope_matches_fp64_forward_and_backward(with_rope):
+    # The eager torch path is one autograd node with a hand-written backward: its output and the
+    # gradients of x and the norm weight must equal float64 autograd through the plain formula,
+    # on a head view (B, L, H, D) -> (B, H, L, D) as attention passes it, tables (L, D) broadcast.
+    g = torch.Generator().manual_seed(3)
+    b, h, n, d = 2, 3, 6, 8
+    x = torch.randn(b, n, h, d, generator=g).mul(3).transpose(1, 2).requires_grad_()
+    w = torch.randn(d, generator=g).requires_grad_()
+    cos, sin = rope_frequencies(torch.stack(torch.meshgrid(torch.arange(2), torch.arange(3), indexing="ij"),
+                                            -1).reshape(-1, 2), (d // 2, d // 2))
+    rope = (cos, sin) if with_rope else None
+    y = rms_norm_rope(x, w, 1e-6, rope)
+    assert type(y.grad_fn).__name__ == "_RMSNormRopeBackward"  # the fused node, not the composite
+    upstream = torch.randn(y.shape, generator=g)
+    y.backward(upstream)
+    xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = _norm_rope_fp64(xd, wd, cos.double() if with_rope else None, sin.double() if with_rope else None)
+    ref.backward(upstream.double())
+    torch.testing.assert_close(y.double(), ref, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(x.grad.double(), xd.grad, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(w.grad.double(), wd.grad, atol=ATOL, rtol=RTOL)
+    assert x.grad.stride() == x.stride()  # the gradient keeps the head view's layout
+
+
+def test_fused_norm_rope_half_precision_and_fallbacks():
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(2, 2, 5, 8, generator=g), torch.randn(8, generator=g)
+    cos, sin = rope_frequencies(torch.arange(5), (8,))
+    ref = _norm_rope_fp64(x.double(), w.double(), cos.double(), sin.double())
+    xb = x.bfloat16().requires_grad_()
+    y = rms_norm_rope(xb, w, 1e-6, (cos, sin))
+    y.sum().backward()
+    assert y.dtype == torch.bfloat16 and xb.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(y.double(), ref, atol=0.05, rtol=0.02)  # math in fp32, one bf16 rounding
+    # float64 and the reference backend take the composite (the exact reference path)
+    xd = x.double().requires_grad_()
+    assert type(rms_norm_rope(xd, w.double(), 1e-6, (cos.double(), sin.double())).grad_fn).__name__ != \
+        "_RMSNormRopeBackward"
+    with use_backend("reference"):
+        yr = rms_norm_rope(x.requires_grad_(), w, 1e-6, (cos, sin))
+    assert type(yr.grad_fn).__name__ != "_RMSNormRopeBackward"
+    torch.testing.assert_close(yr.double(), ref, atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.parametrize("dims", [(16,), (8, 8), (4, 6, 6)])

@@ -103,6 +103,8 @@ def test_patch_roundtrip_and_embed_modes_agree():
         lin.proj.weight.copy_(conv.proj.weight.permute(0, 2, 3, 1).reshape(D, -1))
         lin.proj.bias.copy_(conv.proj.bias)
     torch.testing.assert_close(conv(x), lin(x), atol=1e-5, rtol=1e-5)
+    # token-major memory: a transposed conv output would make every later op copy (see embed.py)
+    assert conv(x).is_contiguous() and lin(x).is_contiguous()
 
 
 def test_dit_block_identity_at_init():

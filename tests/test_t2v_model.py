@@ -95,6 +95,7 @@ def test_patch_embed_conv_equals_linear():
         lin.proj.bias.copy_(conv.proj.bias)
     x = torch.randn(2, 3, 4, 8, 8)
     torch.testing.assert_close(conv(x), lin(x), rtol=1e-5, atol=1e-5)
+    assert conv(x).is_contiguous()  # token-major memory, as the linear mode gives
 
 
 @pytest.mark.parametrize("attention", ["full", "factorized"])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from common.kernels import apply_rope, attention
+from common.kernels import apply_rope, attention, rms_norm_rope
 
 from .norm import RMSNorm
 
@@ -17,6 +17,14 @@ def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     # The head count comes from the width, so a tensor-parallel shard (a slice of whole heads) works.
     b, l, _ = x.shape
     return x.view(b, l, -1, head_dim).transpose(1, 2)  # (B, H, L, Dh)
+
+
+def _norm_rope(norm: nn.Module, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """QK-norm then RoPE, as one fused op when the norm is our RMSNorm (common.kernels.rms_norm_rope)."""
+    if type(norm) is RMSNorm:
+        return rms_norm_rope(x, norm.weight, norm.eps, rope)
+    x = norm(x)
+    return x if rope is None else apply_rope(x, *rope)
 
 
 def _merge(x: torch.Tensor) -> torch.Tensor:
@@ -49,9 +57,7 @@ class SelfAttention(nn.Module):
                 attn_mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
         d = self.head_dim
         q, k, v = _heads(self.to_q(x), d), _heads(self.to_k(x), d), _heads(self.to_v(x), d)
-        q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k = _norm_rope(self.q_norm, q, rope), _norm_rope(self.k_norm, k, rope)
         attend = self.attn_impl or attention
         return self.proj(_merge(attend(q, k, v, causal=causal, attn_mask=attn_mask)))
 

@@ -45,7 +45,10 @@ class PatchEmbed2d(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "conv":
-            return self.proj(x).flatten(2).transpose(1, 2)
+            # contiguous: elementwise ops keep their first input's layout, so a transposed view
+            # here would make the whole residual stream channel-major, and every later norm and
+            # linear copy it back (two copies per op, forward and backward) instead of this one.
+            return self.proj(x).flatten(2).transpose(1, 2).contiguous()
         return self.proj(patchify(x, self.patch_size))
 
 
@@ -151,5 +154,5 @@ class VideoPatchEmbed(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, C, T, H, W) -> (B, N, dim), tokens in (t, h, w) row-major order."""
         if self.mode == "conv":
-            return self.proj(x).flatten(2).transpose(1, 2)
+            return self.proj(x).flatten(2).transpose(1, 2).contiguous()  # see PatchEmbed2d.forward
         return self.proj(patchify3d(x, self.temporal_patch, self.patch_size))

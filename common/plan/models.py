@@ -144,14 +144,16 @@ def llama_params(dim: int, n_layers: int, n_heads: int, kv_heads: int, ffn: int,
 # --------------------------------------------------------------------------- descriptions
 # Saved activations per block and sample (elements of the compute dtype), fitted on CPU with
 # SavedTensorMeter and read off the forward code (test_plan checks them within 15%):
-#   DiT block   23 N*D + 2 N*F + 4 Lt*D + 5 H*N + 6 N   (Lt: text tokens)
-#   Llama block 10 N*D + 4 N*F + H*N + 2 N
+#   DiT block   22 N*D + 2 N*F + 3 Lt*D + 5 H*N + 6 N   (Lt: text tokens)
+#   Llama block  8 N*D + 4 N*F + H*N + 2 N
+# Each RMSNorm (with its RoPE) saves x_hat alone since it became one autograd node
+# (common.kernels.rms_norm_rope): one N*D less per norm than the composite's input and x*r.
 # Split for tensor/sequence parallelism: `stream` (residual stream, norms, modulation: sharded by
 # TP only under SP), `region_in` (each TP region's input, which the region gathers in full and
 # its column-wise linears keep), the rest is inside the regions (whole heads / MLP units per
 # rank, divided by TP). Everything per token is divided by context parallelism.
-DIT_ACT = {"nd": 23, "nf": 2, "ltd": 4, "hn": 5, "n": 6, "stream": 5, "region_in": 3}
-LLAMA_ACT = {"nd": 10, "nf": 4, "ltd": 0, "hn": 1, "n": 2, "stream": 3, "region_in": 2}
+DIT_ACT = {"nd": 22, "nf": 2, "ltd": 3, "hn": 5, "n": 6, "stream": 5, "region_in": 3}
+LLAMA_ACT = {"nd": 8, "nf": 4, "ltd": 0, "hn": 1, "n": 2, "stream": 1, "region_in": 2}
 
 
 def dit_desc(name: str, *, hidden: int, depth: int, heads: int, mlp_ratio: float, text_dim: int, text_len: int,
