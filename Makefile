@@ -20,19 +20,21 @@ $(VENV)/.installed: pyproject.toml requirements.lock
 	touch $@
 
 # The text2image demo: the tiny Stable-Diffusion-style UNet (tiny_unet.yaml); demo-dit trains the
-# tiny DiT (tiny.yaml) on the same data into runs/tiny-dit.
-demo: setup
+# tiny DiT (tiny.yaml) on the same data into runs/tiny-dit. Both: data, training, eval.
+# $(call t2i_demo,CONFIG,RUN_DIR)
+define t2i_demo
 	$(PY) -m data.synth --out $(DATA)
-	$(PY) -m pipelines.text2image.train --config pipelines/text2image/configs/tiny_unet.yaml run.dir=$(RUN) \
+	$(PY) -m pipelines.text2image.train --config pipelines/text2image/configs/$(1) run.dir=$(2) \
 		data.train_shards=$(DATA)/train data.eval_shards=$(DATA)/heldout $(DEMO_ARGS)
-	$(PY) -m pipelines.text2image.eval --run $(RUN) --save-grid $(RUN)/eval_grid.png
+	$(PY) -m pipelines.text2image.eval --run $(2) --save-grid $(2)/eval_grid.png
+endef
+
+demo: setup
+	$(call t2i_demo,tiny_unet.yaml,$(RUN))
 
 DIT_RUN ?= runs/tiny-dit
 demo-dit: setup
-	$(PY) -m data.synth --out $(DATA)
-	$(PY) -m pipelines.text2image.train --config pipelines/text2image/configs/tiny.yaml run.dir=$(DIT_RUN) \
-		data.train_shards=$(DATA)/train data.eval_shards=$(DATA)/heldout $(DEMO_ARGS)
-	$(PY) -m pipelines.text2image.eval --run $(DIT_RUN) --save-grid $(DIT_RUN)/eval_grid.png
+	$(call t2i_demo,tiny.yaml,$(DIT_RUN))
 
 # The vision-language pipeline on synthetic VQA: CLIP, align and instruct stages, then eval.
 VLM_RUN ?= runs/vlm-tiny
