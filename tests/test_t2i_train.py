@@ -141,3 +141,43 @@ def test_ddpm_objective_with_v_prediction_trains(synth_data, tmp_path):
     assert losses[0] == pytest.approx(v_loss, rel=1e-5) and abs(v_loss - eps_loss) > 1e-2, (losses, v_loss, eps_loss)
     assert all(math.isfinite(v) for v in losses)
     assert os.path.isfile(os.path.join(run, "samples", "step_00000003.png"))  # DDIM sampling ran
+
+
+def test_diversity_scan_is_bounded_when_a_class_is_rare(monkeypatch):
+    """A held-out class that never reaches REAL_PER_CLASS images must not make the eval read the
+    whole split: the scan stops at MAX_SCANNED samples and uses the real images it found."""
+    import argparse
+    import io
+    import types
+
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from pipelines.text2image import eval as t2i_eval
+
+    def png(seed):
+        buf = io.BytesIO()
+        Image.fromarray(np.random.default_rng(seed).integers(0, 256, (4, 4, 3), dtype=np.uint8)).save(buf, "PNG")
+        return buf.getvalue()
+
+    read = []
+
+    def samples(_shards):  # only red circles: the blue square of the examples never appears
+        for i in range(100):
+            read.append(i)
+            yield {"png": png(i), "json": json.dumps({"colour": "red", "shape": "circle"}).encode()}
+
+    monkeypatch.setattr(t2i_eval, "iter_samples", samples)
+    monkeypatch.setattr(t2i_eval, "MAX_SCANNED", 10)
+    generate = lambda comp, model, prompts, seeds, **kw: torch.from_numpy(  # noqa: E731
+        np.random.default_rng(1).integers(0, 256, (len(prompts), 4, 4, 3), dtype=np.uint8))
+    monkeypatch.setattr(t2i_eval, "SPEC", types.SimpleNamespace(generate=generate))
+    args = argparse.Namespace(diversity=3, diversity_classes=2, shards="unused", seed=0)
+    examples = [("a red circle", {"colour": "red", "shape": "circle"}),
+                ("a blue square", {"colour": "blue", "shape": "square"})]
+    result = {"steps": 2, "cfg": 3.0}
+    lines = t2i_eval.diversity(args, types.SimpleNamespace(model=None), examples, result)
+    assert len(read) <= 11  # not all 100
+    assert result["diversity"]["real_per_class"] == {"red circle": 10}
+    assert "1 classes" in lines[0]

@@ -22,6 +22,13 @@ def image_bytes(sample: dict) -> bytes | None:
     return next((sample[e] for e in IMAGE_EXTS if e in sample), None)
 
 
+def open_rgb(raw: bytes) -> Image.Image:
+    """Encoded image bytes -> a fully decoded RGB PIL image (a truncated file fails here, not later)."""
+    img = Image.open(io.BytesIO(raw))
+    img.load()
+    return img.convert("RGB")
+
+
 class ImageDecoder:
     """Picklable (loader workers receive it): image -> (3, S, S) float in [-1, 1] (scaled to
     cover, centre-cropped), caption str; `latent` instead of the image when use_latents and the
@@ -32,9 +39,7 @@ class ImageDecoder:
         self.use_latents = use_latents
 
     def _image(self, raw: bytes) -> torch.Tensor:
-        img = Image.open(io.BytesIO(raw))
-        img.load()  # force a full decode so truncated files fail here, not later
-        img = img.convert("RGB")
+        img = open_rgb(raw)
         s = self.image_size
         if img.size != (s, s):
             w, h = img.size

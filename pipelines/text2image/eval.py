@@ -11,21 +11,22 @@ pairwise pixel distance over that of the class's real held-out images, at the sa
   python -m pipelines.text2image.eval --run RUN_DIR [--shards SPEC] [--num N] [--steps S] [--cfg W]
 """
 import argparse
-import io
 
 import numpy as np
 import torch
-from PIL import Image
 
 from common.cli import run_cli
 from common.data.captions import read_attributes
-from common.data.images import image_bytes
+from common.data.images import image_bytes, open_rgb
 from common.data.shards import iter_samples
 from common.run import evaluate
 from data.shape_analysis import diversity_ratio, score
 from pipelines.text2image.spec import SPEC
 
 REAL_PER_CLASS = 32  # real held-out images per class for the reference spread
+# Held-out samples read at most while looking for them: a rare class stops the scan here rather
+# than after a pass over a large eval set (the figure then uses the real images found, >= 2).
+MAX_SCANNED = 4096
 
 
 def _count(minimum: int, zero_ok: bool = False):
@@ -51,12 +52,14 @@ def diversity(args, comp, examples, result) -> list[str]:
         return []
     classes = list(dict.fromkeys((a["colour"], a["shape"]) for _, a in examples))[:args.diversity_classes]
     real: dict[tuple, list] = {c: [] for c in classes}
-    for sample in iter_samples(args.shards):
+    for scanned, sample in enumerate(iter_samples(args.shards)):
+        if scanned >= MAX_SCANNED:
+            break
         attrs = read_attributes(sample)
         c = (attrs.get("colour"), attrs.get("shape"))
         raw = image_bytes(sample)
         if c in real and len(real[c]) < REAL_PER_CLASS and raw is not None:
-            real[c].append(np.asarray(Image.open(io.BytesIO(raw)).convert("RGB")))
+            real[c].append(np.asarray(open_rgb(raw)))
             if all(len(v) == REAL_PER_CLASS for v in real.values()):
                 break
     classes = [c for c in classes if len(real[c]) >= 2]
