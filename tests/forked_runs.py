@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 
 # What a run imports before it does anything: the forkserver imports this module once.
 _WARM = ("torch", "torch.distributed.checkpoint", "torch.distributed.pipelining", "torch.distributed.fsdp",
@@ -57,6 +58,12 @@ def _mp_context(env: dict):
     ctx = mp.get_context("forkserver")
     if _server_env is None:
         from multiprocessing import forkserver
+        if getattr(forkserver._forkserver, "_forkserver_pid", None) is not None:
+            # Started by something else in this worker: neither our preload nor our environment
+            # applies. Runs stay correct (each fork sets its own environment) but start cold.
+            warnings.warn("multiprocessing's forkserver was already running when tests/forked_runs.py first "
+                          "used it: runs fork without the warm imports (slower), and import-time environment "
+                          "is the other starter's", stacklevel=3)
         ctx.set_forkserver_preload(["tests.forked_warm"])
         saved = dict(os.environ)
         os.environ.clear()
@@ -150,7 +157,6 @@ def run(cmd: list[str], env: dict, cwd: str, timeout: float) -> subprocess.Compl
         mine = _comparable(env)
         differs = sorted(k for k in set(mine) | set(_server_env) if mine.get(k) != _server_env.get(k))
         if differs:  # shown in pytest's summary: the run still works, only slower
-            import warnings
             warnings.warn(f"forked_runs: a real process for {' '.join(cmd[1:4])}: the environment differs "
                           f"from the forkserver's in {differs}", stacklevel=3)
             parsed = None

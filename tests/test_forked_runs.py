@@ -72,3 +72,20 @@ def test_ranks_get_torchrun_variables_and_a_failing_rank_stops_the_job():
 def test_timeout_stops_the_run():
     with pytest.raises(subprocess.TimeoutExpired):
         probe("sleep", timeout=2)
+
+
+def test_a_forkserver_started_by_someone_else_is_reported():
+    # Then neither the warm preload nor the server's environment is ours: runs would start cold
+    # without a word. A new interpreter, so that this worker's own server is not the one found.
+    code = ("import os, warnings\n"
+            "from multiprocessing import forkserver\n"
+            "forkserver.ensure_running()\n"
+            "from tests import forked_runs\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            "    warnings.simplefilter('always')\n"
+            "    forked_runs._mp_context(dict(os.environ))\n"
+            "print(sum('already running' in str(w.message) for w in caught))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "1"
