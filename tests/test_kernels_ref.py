@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from common.kernels import (apply_rope, attention, attention_reference, layer_norm, modulate,
+from common.kernels import (apply_rope, attention, attention_reference, layer_norm, modulate, mul_add,
                             norm_modulate, rms_norm, rms_norm_rope, rope_frequencies, use_backend)
 
 ATOL, RTOL = 1e-5, 1e-4
@@ -102,6 +102,28 @@ def test_norms_match_fp64():
     torch.testing.assert_close(norm_modulate(x, shift, scale, 1e-6).double(), ref_nm, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("shapes", [((3, 1, 8), (3, 5, 8), (3, 1, 8)),   # adaLN modulate: shift, x, 1 + scale
+                                    ((3, 5, 8), (3, 1, 8), (3, 5, 8)),   # gated residual: x, gate, branch
+                                    ((8,), (5, 8), (1, 8))])
+def test_mul_add_matches_addcmul_and_fp64_gradients(shapes):
+    # Forward bit for bit torch.addcmul; each input's gradient (summed back to its broadcast shape)
+    # equals float64 autograd; an input that needs no gradient gets none.
+    g = torch.Generator().manual_seed(5)
+    base, a, b = (torch.randn(s, generator=g).requires_grad_() for s in shapes)
+    y = mul_add(base, a, b)
+    assert type(y.grad_fn).__name__ == "_MulAddBackward" and torch.equal(y, torch.addcmul(base, a, b))
+    upstream = torch.randn(y.shape, generator=g)
+    y.backward(upstream)
+    ref_inputs = [t.detach().double().requires_grad_() for t in (base, a, b)]
+    (ref_inputs[0] + ref_inputs[1] * ref_inputs[2]).backward(upstream.double())
+    for t, r in zip((base, a, b), ref_inputs):
+        assert t.grad.shape == t.shape
+        torch.testing.assert_close(t.grad.double(), r.grad, atol=ATOL, rtol=RTOL)
+    frozen = a.detach()
+    mul_add(base, frozen, b).sum().backward()
+    assert frozen.grad is None
+
+
 def _norm_rope_fp64(x, w, cos, sin, eps=1e-6):
     """QK-norm then rotate-half RoPE, written out in float64 (no project code)."""
     y = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
@@ -111,28 +133,36 @@ def _norm_rope_fp64(x, w, cos, sin, eps=1e-6):
     return y * cos + torch.cat([-y2, y1], dim=-1) * sin
 
 
+@pytest.mark.parametrize("weight", ["trained", "frozen", "none"])
 @pytest.mark.parametrize("with_rope", [True, False])
-def test_fused_norm_rope_matches_fp64_forward_and_backward(with_rope):
+def test_fused_norm_rope_matches_fp64_forward_and_backward(with_rope, weight):
     # The eager torch path is one autograd node with a hand-written backward: its output and the
     # gradients of x and the norm weight must equal float64 autograd through the plain formula,
     # on a head view (B, L, H, D) -> (B, H, L, D) as attention passes it, tables (L, D) broadcast.
+    # Each weight case takes its own buffer path in the backward (in place on ours, never on g).
     g = torch.Generator().manual_seed(3)
     b, h, n, d = 2, 3, 6, 8
     x = torch.randn(b, n, h, d, generator=g).mul(3).transpose(1, 2).requires_grad_()
-    w = torch.randn(d, generator=g).requires_grad_()
+    w = torch.randn(d, generator=g).requires_grad_(weight == "trained")
     cos, sin = rope_frequencies(torch.stack(torch.meshgrid(torch.arange(2), torch.arange(3), indexing="ij"),
                                             -1).reshape(-1, 2), (d // 2, d // 2))
     rope = (cos, sin) if with_rope else None
-    y = rms_norm_rope(x, w, 1e-6, rope)
+    y = rms_norm_rope(x, None if weight == "none" else w, 1e-6, rope)
     assert type(y.grad_fn).__name__ == "_RMSNormRopeBackward"  # the fused node, not the composite
     upstream = torch.randn(y.shape, generator=g)
+    upstream_before = upstream.clone()
     y.backward(upstream)
+    assert torch.equal(upstream, upstream_before)  # the incoming gradient is not written to
     xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    ref = _norm_rope_fp64(xd, wd, cos.double() if with_rope else None, sin.double() if with_rope else None)
+    ref = _norm_rope_fp64(xd, wd if weight != "none" else 1.0, cos.double() if with_rope else None,
+                          sin.double() if with_rope else None)
     ref.backward(upstream.double())
     torch.testing.assert_close(y.double(), ref, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(x.grad.double(), xd.grad, atol=ATOL, rtol=RTOL)
-    torch.testing.assert_close(w.grad.double(), wd.grad, atol=ATOL, rtol=RTOL)
+    if weight == "trained":
+        torch.testing.assert_close(w.grad.double(), wd.grad, atol=ATOL, rtol=RTOL)
+    else:
+        assert w.grad is None
     assert x.grad.stride() == x.stride()  # the gradient keeps the head view's layout
 
 

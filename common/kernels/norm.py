@@ -71,7 +71,10 @@ class _RMSNormRope(torch.autograd.Function):
     Autograd through the composite records ~9 full-size elementwise ops forward and ~20 backward
     for norm + RoPE (pow, mean, rsqrt, two muls, chunk/neg/cat, addcmul and their backward
     graphs): on a CPU DiT step they cost about as much as the attention itself. Here forward is
-    ~5 passes and backward ~7, saving only x_hat and r. Math in fp32 for half inputs."""
+    4 passes making 2 full-size buffers (x_hat, y; the weight is folded into the RoPE tables) and
+    backward ~8 passes making 3 (the rest in place), saving only x_hat and r. Each new buffer
+    costs page faults on first touch, which on CPU weigh as much as a pass. Math in fp32 for
+    half inputs."""
 
     @staticmethod
     def forward(ctx, x, weight, cos, sin, eps):
@@ -79,16 +82,20 @@ class _RMSNormRope(torch.autograd.Function):
         # One reduction pass for mean(x^2): the 2-norm squared over D.
         r = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_().div_(xf.shape[-1]).add_(eps).rsqrt_()
         x_hat = xf * r
-        u = x_hat if weight is None else x_hat * weight.to(xf.dtype)
+        w = None if weight is None else weight.to(xf.dtype)
         if cos is not None:
             c, s = cos.to(xf.dtype), sin.to(xf.dtype)
-            y, h = u * c, u.shape[-1] // 2
-            # rotate_half(u) * s without materialising rotate_half(u): y1 -= u2 s1, y2 += u1 s2
-            y[..., :h].addcmul_(u[..., h:], s[..., :h], value=-1)
-            y[..., h:].addcmul_(u[..., :h], s[..., h:])
+            h = x_hat.shape[-1] // 2
+            # rope(x_hat * w) = x_hat * (w c) + rotate_half(x_hat * w) * s; the weight is folded into
+            # the small (L, D) tables so no full-size u = x_hat * w is made. rotate_half(u) * s in
+            # place on the half slices: y1 -= u2 s1, y2 += u1 s2.
+            wc, ws1, ws2 = (c, s[..., :h], s[..., h:]) if w is None else (w * c, w[h:] * s[..., :h], w[:h] * s[..., h:])
+            y = x_hat * wc
+            y[..., :h].addcmul_(x_hat[..., h:], ws1, value=-1)
+            y[..., h:].addcmul_(x_hat[..., :h], ws2)
         else:
             c = s = None
-            y = u
+            y = x_hat if w is None else x_hat * w
         ctx.save_for_backward(x_hat, r, weight, c, s)
         ctx.x_dtype = x.dtype
         return y.to(x.dtype)
@@ -97,22 +104,29 @@ class _RMSNormRope(torch.autograd.Function):
     def backward(ctx, g):
         x_hat, r, weight, c, s = ctx.saved_tensors
         g = g.to(x_hat.dtype)
-        if c is not None:  # transpose of the rotation: du1 = g1 c1 + g2 s2, du2 = g2 c2 - g1 s1
+        own = c is not None  # gu is a buffer of ours (in-place updates allowed), not the incoming g
+        if own:  # transpose of the rotation: du1 = g1 c1 + g2 s2, du2 = g2 c2 - g1 s1
             gu, h = g * c, g.shape[-1] // 2
             gu[..., :h].addcmul_(g[..., h:], s[..., h:])
             gu[..., h:].addcmul_(g[..., :h], s[..., :h], value=-1)
         else:
             gu = g
-        grad_w = None
-        if weight is not None:
-            if ctx.needs_input_grad[1]:
-                grad_w = (gu * x_hat).sum(dim=tuple(range(gu.dim() - 1))).to(weight.dtype)
-            gu = gu * weight.to(gu.dtype)
+        need_w = weight is not None and ctx.needs_input_grad[1]
+        if not (need_w or ctx.needs_input_grad[0]):
+            return None, None, None, None, None
+        prod = gu * x_hat  # dL/du * x_hat: the weight gradient's terms, then reused in place for dot
+        grad_w = prod.sum(dim=tuple(range(gu.dim() - 1))).to(weight.dtype) if need_w else None
         grad_x = None
         if ctx.needs_input_grad[0]:
-            # d/dx of x * r(x): r (gu - x_hat * mean(gu * x_hat))
-            dot = (gu * x_hat).mean(-1, keepdim=True)
-            grad_x = torch.addcmul(gu, x_hat, dot, value=-1).mul_(r).to(ctx.x_dtype)
+            # d/dx of x * r(x) with dL/dx_hat = gu * w: r (gu w - x_hat * mean(gu w x_hat))
+            if weight is not None:
+                w = weight.to(gu.dtype)
+                dot = prod.mul_(w).mean(-1, keepdim=True)
+                gu, own = (gu.mul_(w) if own else gu * w), True
+            else:
+                dot = prod.mean(-1, keepdim=True)
+            grad_x = gu.addcmul_(x_hat, dot, value=-1) if own else torch.addcmul(gu, x_hat, dot, value=-1)
+            grad_x = grad_x.mul_(r).to(ctx.x_dtype)
         return grad_x, grad_w, None, None, None
 
 
@@ -152,7 +166,35 @@ def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch
     the case worth a kernel is norm_modulate."""
     # One fused multiply-add instead of a multiply and an add (eager glue is a large share of a
     # small DiT's CPU step).
-    return torch.addcmul(_per_sample(shift, x), x, 1 + _per_sample(scale, x))
+    return mul_add(_per_sample(shift, x), x, 1 + _per_sample(scale, x))
+
+
+def mul_add(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """base + a * b with broadcasting: torch.addcmul at value 1, the same forward bit for bit.
+    Eager (not under torch.compile, plain tensors) it is one autograd node whose backward is
+    grad * b and grad * a: addcmul's own backward multiplies by `value` first, one more
+    full-size pass and buffer per call (in a DiT block: both adaLN modulates and both gated
+    residuals)."""
+    if torch.compiler.is_compiling() or dispatch_device(base, a, b) is None:
+        return torch.addcmul(base, a, b)
+    return _MulAdd.apply(base, a, b)
+
+
+class _MulAdd(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, base, a, b):
+        need = ctx.needs_input_grad
+        ctx.save_for_backward(b if need[1] else None, a if need[2] else None)
+        ctx.shapes = base.shape, a.shape, b.shape
+        return torch.addcmul(base, a, b)
+
+    @staticmethod
+    def backward(ctx, g):
+        b, a = ctx.saved_tensors
+        need, (base_shape, a_shape, b_shape) = ctx.needs_input_grad, ctx.shapes
+        return (g.sum_to_size(base_shape) if need[0] else None,
+                (g * b).sum_to_size(a_shape) if need[1] else None,
+                (g * a).sum_to_size(b_shape) if need[2] else None)
 
 
 def norm_modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float = 1e-6,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from common.kernels import norm_modulate
+from common.kernels import mul_add, norm_modulate
 
 from .attention import CrossAttention, SelfAttention
 from .mlp import MLP
@@ -98,10 +98,10 @@ class DiTBlock(nn.Module):
         mod = self.scale_shift_table[None] + t0.view(x.shape[0], 6, self.hidden)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mod.unbind(1)
         h = norm_modulate(x, shift_msa, scale_msa, self.eps)
-        x = torch.addcmul(x, gate_msa[:, None], self.attn(h, rope=rope))  # x + gate * attn, one op
+        x = mul_add(x, gate_msa[:, None], self.attn(h, rope=rope))  # x + gate * attn, one op
         x = x + self.cross_attn(self.norm_cross(x), context, context_mask)
         h = norm_modulate(x, shift_mlp, scale_mlp, self.eps)
-        return torch.addcmul(x, gate_mlp[:, None], self.mlp(h))
+        return mul_add(x, gate_mlp[:, None], self.mlp(h))
 
 
 class FinalLayer(nn.Module):
