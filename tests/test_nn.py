@@ -117,6 +117,29 @@ def test_dit_block_identity_at_init():
     assert torch.all(fin(x, torch.randn(2, D)) == 0)
 
 
+def test_cross_attention_trims_trailing_padding_with_exact_gradients():
+    # Key columns no sample uses are dropped before the K/V projections (eager CPU); the output
+    # and every gradient still equal the written-out attention over the full padded context.
+    torch.manual_seed(0)
+    ca = _randomize(CrossAttention(D, H, 24)).double()
+    x = torch.randn(2, 6, D, dtype=torch.float64, requires_grad=True)
+    ctx = torch.randn(2, 7, 24, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[1, 1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0, 0]], dtype=torch.bool)
+    seen = []
+    hook = ca.to_k.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[1]))
+    out = ca(x, ctx, mask)
+    hook.remove()
+    assert seen == [4]  # the longest caption's length, not the padded 7
+    upstream = torch.randn(out.shape, dtype=torch.float64)
+    grads = torch.autograd.grad(out, [x, ctx, *ca.parameters()], upstream)
+    ref = _ref_attention(ca, x, ctx, mask=mask)
+    ref_grads = torch.autograd.grad(ref, [x, ctx, *ca.parameters()], upstream)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+    assert torch.all(grads[1][:, 4:] == 0)  # the dropped columns' gradient is zero, as it must be
+
+
 def test_cross_attention_ignores_padding():
     torch.manual_seed(0)
     ca = _randomize(CrossAttention(D, H, 24))

@@ -66,6 +66,26 @@ def _all_true_on_cpu(flags: torch.Tensor) -> bool:
     return flags.device.type == "cpu" and not torch.compiler.is_compiling() and bool(flags.all())
 
 
+def _trim_key_padding(context: torch.Tensor, context_mask: torch.Tensor | None):
+    """Drop the trailing key columns that no sample of the batch uses (eager, plain CPU tensors).
+
+    Captions are padded to the text tower's context length (32 in the demo, 77 for CLIP, 120+
+    for T5) while most are far shorter; padded keys get zero attention weight and so zero
+    gradient, so dropping them changes nothing but rounding and saves their K/V projections,
+    k-norm and attention columns. CPU only: on an accelerator the length would be a host sync
+    per block, and under compile a data-dependent shape. Within the block, so stage I/O shapes
+    (pipeline parallelism) stay fixed."""
+    if (context_mask is None or type(context) is not torch.Tensor or type(context_mask) is not torch.Tensor
+            or context_mask.device.type != "cpu" or torch.compiler.is_compiling()):
+        return context, context_mask
+    used = context_mask.any(0).nonzero()
+    n = int(used[-1]) + 1 if len(used) else 1
+    if n == context_mask.shape[-1]:
+        return context, context_mask
+    # contiguous once here, or to_k and to_v would each copy the strided slice
+    return context[:, :n].contiguous(), context_mask[:, :n]
+
+
 class CrossAttention(nn.Module):
     """Queries from x, keys/values from context (e.g. text tokens) with a key padding mask."""
 
@@ -87,11 +107,13 @@ class CrossAttention(nn.Module):
         """context_mask (B, Lk) bool, True = real token. A sample with no valid token gets a
         zero output instead of the NaN a fully masked softmax would give."""
         d = self.head_dim
+        if context_mask is not None:
+            context_mask = context_mask.bool()
+        context, context_mask = _trim_key_padding(context, context_mask)
         q = self.q_norm(_heads(self.to_q(x), d))
         k, v = self.k_norm(_heads(self.to_k(context), d)), _heads(self.to_v(context), d)
         mask, any_valid = None, None
         if context_mask is not None:
-            context_mask = context_mask.bool()
             any_valid = context_mask.any(-1)  # (B,)
             mask = (context_mask | ~any_valid[:, None])[:, None, None, :]  # (B, 1, 1, Lk)
         out = _merge(attention(q, k, v, attn_mask=mask))

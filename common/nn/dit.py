@@ -47,7 +47,9 @@ def trunk_flops(cfg: DiTTrunkConfig, num_tokens: int, text_len: int) -> int:
     """Forward FLOPs per sample (2 per multiply-add) of the trunk's matmuls except self-attention's
     scores and weighted sum (which depend on the member's attention pattern): per block qkv and
     output projections, cross-attention and MLP; the conditioning (timestep MLP, adaLN-single,
-    caption and pooled-caption projections). Norms and elementwise ops are ignored (<1%)."""
+    caption and pooled-caption projections). Norms and elementwise ops are ignored (<1%).
+    text_len is the padded context length, so where cross-attention drops the key padding no
+    sample uses (eager CPU, common.nn.attention) this is an upper bound."""
     n, lt, d = num_tokens, text_len, cfg.hidden
     mlp = int(d * cfg.mlp_ratio)
     per_block = (2 * n * d * 3 * d + 2 * n * d * d                     # self-attn qkv, out
