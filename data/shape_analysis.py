@@ -214,7 +214,18 @@ def mean_pairwise_distance(images: Sequence) -> float:
     return float(np.sqrt(np.maximum(d2[upper], 0.0)).mean())
 
 
+# Below this mean pairwise distance (pixel units, 0..255) a set of images counts as all alike:
+# the distance comes from a Gram matrix, so identical non-integer images give rounding noise
+# (~1e-6 after the square root), not exactly 0; real classes spread by tens of levels.
+MIN_SPREAD = 1e-3
+
+
 def diversity_ratio(generated: Sequence, real: Sequence) -> float:
     """Spread of one prompt's samples over that of real images of its class (1: as varied as the
-    data, near 0: the same image every time)."""
-    return mean_pairwise_distance(generated) / mean_pairwise_distance(real)
+    data, near 0: the same image every time). ValueError when the real images do not differ at
+    all: there is no spread to compare against."""
+    real_spread = mean_pairwise_distance(real)
+    if real_spread <= MIN_SPREAD:
+        raise ValueError(f"diversity_ratio: the {len(real)} real images are all identical (zero spread), "
+                         "so no ratio can be formed; give real images that differ")
+    return mean_pairwise_distance(generated) / real_spread

@@ -122,3 +122,5 @@ def test_diversity_ratio_of_real_images_and_of_a_collapsed_model(decoded):
     half = len(real) // 2
     assert 0.7 < diversity_ratio(real[:half], real[half:]) < 1.4
     assert diversity_ratio([real[0]] * 8, real) == pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(ValueError, match="all identical"):  # no real spread: an error, not inf/nan
+        diversity_ratio(real[:4], [real[0]] * 4)

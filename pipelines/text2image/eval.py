@@ -20,7 +20,7 @@ from common.data.captions import read_attributes
 from common.data.images import image_bytes, open_rgb
 from common.data.shards import iter_samples
 from common.run import evaluate
-from data.shape_analysis import diversity_ratio, score
+from data.shape_analysis import MIN_SPREAD, diversity_ratio, mean_pairwise_distance, score
 from pipelines.text2image.spec import SPEC
 
 REAL_PER_CLASS = 32  # real held-out images per class for the reference spread
@@ -62,9 +62,10 @@ def diversity(args, comp, examples, result) -> list[str]:
             real[c].append(np.asarray(open_rgb(raw)))
             if all(len(v) == REAL_PER_CLASS for v in real.values()):
                 break
-    classes = [c for c in classes if len(real[c]) >= 2]
+    # a class whose real images are all alike has no spread to compare against (diversity_ratio)
+    classes = [c for c in classes if len(real[c]) >= 2 and mean_pairwise_distance(real[c]) > MIN_SPREAD]
     if not classes:
-        return ["diversity: no held-out class has 2 real images"]
+        return ["diversity: no held-out class has 2 real images that differ"]
     prompts = [f"a {colour} {shape}" for colour, shape in classes for _ in range(args.diversity)]
     seeds = [args.seed + 1_000_000 + i for i in range(len(prompts))]  # apart from the accuracy seeds
     media = SPEC.generate(comp, comp.model, prompts, seeds, steps=result["steps"], guidance=result["cfg"],
