@@ -28,16 +28,14 @@ process CPU time excludes the stolen time that makes wall-clock medians drift.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.peer_rounds import add_arguments, alternate, write_json  # noqa: E402
 from common.config import build_config  # noqa: E402
 from common.ema import EMA  # noqa: E402
 from common.optim import build_optimizer  # noqa: E402
@@ -125,50 +123,19 @@ class Peer:
         return loss.item()
 
 
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
-
-
-def timed(side, steps: int, clock=time.perf_counter) -> float:
-    t0 = clock()
-    for _ in range(steps):
-        side.step()
-    return side.batch * steps / (clock() - t0)
-
-
 def compare(name: str, batch: int, rounds: int, steps: int, overrides: list[str], clock: str = "wall") -> dict:
     torch.manual_seed(0)
     ours = Ours(CONFIGS[name] + overrides, batch)
     peer = Peer(ours)
-    for side in (ours, peer):  # warm-up: allocator, first-call paths, caches
-        side.step(), side.step()
-    rates = {"ours": [], "peer": []}
-    for r in range(rounds):
-        order = (("ours", ours), ("peer", peer)) if r % 2 == 0 else (("peer", peer), ("ours", ours))
-        for key, side in order:
-            rates[key].append(timed(side, steps, CLOCKS[clock]))
-    o, p = statistics.median(rates["ours"]), statistics.median(rates["peer"])
-    best_o, best_p = max(rates["ours"]), max(rates["peer"])
     m = ours.model.cfg
     return {"config": name, "hidden": m.hidden, "depth": m.depth, "heads": m.heads, "tokens": ours.comp.num_tokens,
-            "batch": batch, "clock": clock, "params_ours": sum(q.numel() for q in ours.model.parameters()),
-            "params_peer": peer.params,
-            "ours_samples_per_s": o, "peer_samples_per_s": p, "ratio": o / p, "ratio_best_rounds": best_o / best_p,
-            "rounds_ours": rates["ours"], "rounds_peer": rates["peer"]}
+            "batch": batch, "params_ours": sum(q.numel() for q in ours.model.parameters()),
+            "params_peer": peer.params, **alternate(ours, peer, rounds, steps, clock)}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", default="demo,S", help="comma-separated: demo, S")
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=5, help="alternating rounds (median taken)")
-    p.add_argument("--steps", type=int, default=0, help="steps per side per round (0: 8 for demo, 2 for S)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
-                   help="wall: elapsed time (the default; what a user waits). cpu: this process's CPU "
-                        "time, which time stolen by other VMs does not inflate; with --threads 1 it "
-                        "is the work itself (with more threads it also counts OpenMP spin-waits)")
-    p.add_argument("overrides", nargs="*", help="config overrides for our side, e.g. parallel.compile=true")
-    p.add_argument("--json", default=os.path.join(ROOT, "bench", "results", "t2i_vs_diffusers.json"))
+    add_arguments(p, configs="demo,S", batch=32, json_name="t2i_vs_diffusers.json", root=ROOT)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     rows = []
@@ -182,10 +149,7 @@ def main() -> None:
               f"ours {r['ours_samples_per_s']:.1f} samples/s ({r['params_ours'] / 1e6:.2f}M params), "
               f"diffusers PixArt {r['peer_samples_per_s']:.1f} ({r['params_peer'] / 1e6:.2f}M): "
               f"ratio {r['ratio']:.2f}x (best rounds {r['ratio_best_rounds']:.2f}x)", flush=True)
-    os.makedirs(os.path.dirname(args.json), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"threads": args.threads, "clock": args.clock, "rows": rows}, f, indent=1)
-    print(f"wrote {args.json}")
+    write_json(args.json, args, rows)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,65 @@
+"""Alternating-rounds timing of our training step against a peer library's, in one process.
+
+Shared by bench/t2i_vs_diffusers.py and bench/t2v_vs_diffusers.py. A side is any object with
+`batch` (samples per step) and `step()` (one full training step). Rounds alternate which side
+goes first (ours in even rounds, the peer in odd ones), so that load from anything else on the
+machine falls on both alike; the ratio is ours / peer in samples per second, the median over
+rounds, beside the ratio of each side's best round (other load only ever slows a round, so on a
+shared VM the best rounds are the steadier estimate when medians drift between runs).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+CLOCK_HELP = ("wall: elapsed time (the default; what a user waits). cpu: this process's CPU time, which "
+              "time stolen by other VMs does not inflate; with --threads 1 it is the work itself (with more "
+              "threads it also counts OpenMP spin-waits)")
+
+
+def timed(side, steps: int, clock=time.perf_counter) -> float:
+    """Samples per second of `steps` steps of `side`, measured with `clock`."""
+    t0 = clock()
+    for _ in range(steps):
+        side.step()
+    return side.batch * steps / (clock() - t0)
+
+
+def alternate(ours, peer, rounds: int, steps: int, clock: str = "wall", warmup: int = 2) -> dict:
+    """Times both sides in alternating rounds after `warmup` untimed steps each (allocator,
+    first-call paths, caches). Returns medians, best rounds, their ratios and every round's rate."""
+    for side in (ours, peer):
+        for _ in range(warmup):
+            side.step()
+    rates = {"ours": [], "peer": []}
+    for r in range(rounds):
+        order = (("ours", ours), ("peer", peer)) if r % 2 == 0 else (("peer", peer), ("ours", ours))
+        for key, side in order:
+            rates[key].append(timed(side, steps, CLOCKS[clock]))
+    o, p = statistics.median(rates["ours"]), statistics.median(rates["peer"])
+    return {"clock": clock, "ours_samples_per_s": o, "peer_samples_per_s": p, "ratio": o / p,
+            "ratio_best_rounds": max(rates["ours"]) / max(rates["peer"]),
+            "rounds_ours": rates["ours"], "rounds_peer": rates["peer"]}
+
+
+def add_arguments(p: argparse.ArgumentParser, *, configs: str, batch: int, json_name: str, root: str) -> None:
+    """The options every peer bench has."""
+    p.add_argument("--configs", default=configs, help="comma-separated config names")
+    p.add_argument("--batch", type=int, default=batch)
+    p.add_argument("--rounds", type=int, default=5, help="alternating rounds (median taken)")
+    p.add_argument("--steps", type=int, default=0, help="steps per side per round (0: the config's default)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help=CLOCK_HELP)
+    p.add_argument("overrides", nargs="*", help="config overrides for our side, e.g. parallel.compile=true")
+    p.add_argument("--json", default=os.path.join(root, "bench", "results", json_name))
+
+
+def write_json(path: str, args, rows: list[dict]) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"threads": args.threads, "clock": args.clock, "rows": rows}, f, indent=1)
+    print(f"wrote {path}")

@@ -1,0 +1,91 @@
+"""The peer benchmarks' harness (bench/peer_rounds.py) and the text2video peer's dimensions.
+
+No timing is asserted: a fake clock that each fake step advances by a known amount checks that the
+harness reports ours / peer (not the inverse) and alternates which side goes first."""
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_bench(name: str):
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(ROOT, "bench", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeSide:
+    def __init__(self, name: str, batch: int, seconds_per_step: float, clock: FakeClock, log: list):
+        self.name, self.batch, self.seconds, self.clock, self.log = name, batch, seconds_per_step, clock, log
+
+    def step(self) -> None:
+        self.log.append(self.name)
+        self.clock.now += self.seconds
+
+
+def test_alternate_reports_ours_over_peer_and_alternates_the_order(monkeypatch):
+    rounds = load_bench("peer_rounds")
+    clock, log = FakeClock(), []
+    monkeypatch.setitem(rounds.CLOCKS, "fake", clock)
+    ours = FakeSide("ours", 8, 0.1, clock, log)    # 80 samples/s
+    peer = FakeSide("peer", 8, 0.2, clock, log)    # 40 samples/s
+    out = rounds.alternate(ours, peer, rounds=4, steps=2, clock="fake", warmup=1)
+    assert out["ratio"] == pytest.approx(2.0) and out["ratio_best_rounds"] == pytest.approx(2.0)
+    assert out["ours_samples_per_s"] == pytest.approx(80.0) and out["peer_samples_per_s"] == pytest.approx(40.0)
+    timed = log[2:]  # after one warm-up step each
+    firsts = [timed[i * 4] for i in range(4)]
+    assert firsts == ["ours", "peer", "ours", "peer"]
+    assert len(out["rounds_ours"]) == len(out["rounds_peer"]) == 4
+
+
+def test_alternate_takes_medians_and_best_rounds(monkeypatch):
+    rounds = load_bench("peer_rounds")
+    clock = FakeClock()
+    monkeypatch.setitem(rounds.CLOCKS, "fake", clock)
+
+    class Scripted:
+        def __init__(self, batch, durations):
+            self.batch, self.durations = batch, iter(durations)
+
+        def step(self):
+            clock.now += next(self.durations)
+
+    # one step per round, no warm-up: rates 10, 5, 20 (ours) and 10, 10, 4 (peer)
+    ours, peer = Scripted(10, [1.0, 2.0, 0.5]), Scripted(10, [1.0, 1.0, 2.5])
+    out = rounds.alternate(ours, peer, rounds=3, steps=1, clock="fake", warmup=0)
+    assert out["ratio"] == pytest.approx(10 / 10)
+    assert out["ratio_best_rounds"] == pytest.approx(20 / 10)
+
+
+def test_video_peer_has_our_dimensions():
+    pytest.importorskip("diffusers")
+    bench = load_bench("t2v_vs_diffusers")
+    ours = bench.Ours([], batch=2)
+    m, peer = ours.model.cfg, bench.peer_model(ours.model.cfg)
+    c = peer.config
+    assert tuple(c.patch_size) == (m.temporal_patch, m.patch_size, m.patch_size)
+    assert (c.num_attention_heads, c.attention_head_dim, c.num_layers) == (m.heads, m.hidden // m.heads, m.depth)
+    assert (c.in_channels, c.text_dim, c.ffn_dim) == (m.in_channels, m.text_dim, m.hidden * 4)
+    ours_params = sum(p.numel() for p in ours.model.parameters())
+    peer_params = sum(p.numel() for p in peer.parameters())
+    assert abs(ours_params / peer_params - 1) < 0.05, (ours_params, peer_params)
+    # both sides train on the same clip shape and produce a finite loss
+    assert ours.shape == (m.in_channels, m.frames, m.height, m.width)
+    assert math.isfinite(ours.step()) and math.isfinite(bench.Peer(ours).step())
