@@ -183,11 +183,14 @@ def analyse(img) -> dict:
 
 
 def score(images: Iterable, attrs: Sequence[dict]) -> dict:
-    """Accuracy of `analyse` against the intended attributes (dicts with "colour" and "shape").
+    """Accuracy of `analyse` against the intended attributes (dicts with "colour" and "shape"),
+    and `drawn`: how often each shape was recognised ("none": not recognisable), which tells a
+    model that ignores the shape word (one shape for every prompt) from one that draws poorly.
 
     A None answer counts as wrong: an unrecognisable sample is a failed sample.
     """
     n = colour_ok = shape_ok = both_ok = 0
+    drawn: dict[str, int] = {}
     for img, want in zip(images, attrs, strict=True):
         got = analyse(img)
         c = got["colour"] is not None and got["colour"] == want["colour"]
@@ -196,9 +199,17 @@ def score(images: Iterable, attrs: Sequence[dict]) -> dict:
         colour_ok += c
         shape_ok += s
         both_ok += c and s
+        drawn[got["shape"] or "none"] = drawn.get(got["shape"] or "none", 0) + 1
     if n == 0:
-        return {"colour_acc": 0.0, "shape_acc": 0.0, "both_acc": 0.0, "n": 0}
-    return {"colour_acc": colour_ok / n, "shape_acc": shape_ok / n, "both_acc": both_ok / n, "n": n}
+        return {"colour_acc": 0.0, "shape_acc": 0.0, "both_acc": 0.0, "n": 0, "drawn": {}}
+    return {"colour_acc": colour_ok / n, "shape_acc": shape_ok / n, "both_acc": both_ok / n, "n": n,
+            "drawn": dict(sorted(drawn.items(), key=lambda kv: (-kv[1], kv[0])))}
+
+
+def drawn_summary(drawn: dict[str, int], top: int = 3) -> str:
+    """'circle 61%, square 20%, none 9%': the most recognised shapes of a `score` result."""
+    total = sum(drawn.values()) or 1
+    return ", ".join(f"{k} {v / total:.0%}" for k, v in list(drawn.items())[:top])
 
 
 def mean_pairwise_distance(images: Sequence) -> float:

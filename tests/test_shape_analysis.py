@@ -12,7 +12,7 @@ from PIL import Image
 
 from data import shapes as S
 from data import synth
-from data.shape_analysis import analyse, diversity_ratio, mean_pairwise_distance, score
+from data.shape_analysis import analyse, diversity_ratio, drawn_summary, mean_pairwise_distance, score
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +57,20 @@ def test_score_counts_wrong_labels():
     img = synth.render_sample(a)
     other_shape = next(s for s in S.SHAPES if s != a["shape"])
     r = score([img, img], [a, {**a, "shape": other_shape}])
-    assert r == {"colour_acc": 1.0, "shape_acc": 0.5, "both_acc": 0.5, "n": 2}
+    assert r == {"colour_acc": 1.0, "shape_acc": 0.5, "both_acc": 0.5, "n": 2, "drawn": {a["shape"]: 2}}
     assert score([], [])["n"] == 0
+
+
+def test_score_tallies_the_shapes_drawn():
+    """A model that draws one shape whatever the prompt shows as one shape in `drawn`."""
+    a = synth.sample_attrs("train", 0, 0, 32)
+    img = synth.render_sample(a)
+    blank = np.full_like(img, 128)
+    asked = [{**a, "shape": s} for s in S.SHAPES]
+    r = score([img] * len(asked) + [blank], asked + [a])
+    assert r["drawn"] == {a["shape"]: len(asked), "none": 1}
+    assert r["shape_acc"] == pytest.approx(1 / (len(asked) + 1))
+    assert drawn_summary(r["drawn"], top=1) == f"{a['shape']} {len(asked) / (len(asked) + 1):.0%}"
 
 
 @pytest.mark.parametrize("bg", list(S.BACKGROUNDS))

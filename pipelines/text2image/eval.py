@@ -20,7 +20,7 @@ from common.data.captions import read_attributes
 from common.data.images import image_bytes, open_rgb
 from common.data.shards import iter_samples
 from common.run import evaluate
-from data.shape_analysis import MIN_SPREAD, diversity_ratio, mean_pairwise_distance, score
+from data.shape_analysis import MIN_SPREAD, diversity_ratio, drawn_summary, mean_pairwise_distance, score
 from pipelines.text2image.spec import SPEC
 
 REAL_PER_CLASS = 32  # real held-out images per class for the reference spread
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     return evaluate(SPEC, argv, __doc__, default_num=256, grid_max=64, needs="shape", data_hint="data.synth",
                     score=lambda images, attrs: score(images.numpy(), attrs),
                     report=lambda r: (f"colour accuracy {r['colour_acc']:.1%}, shape accuracy {r['shape_acc']:.1%}, "
-                                      f"both {r['both_acc']:.1%}"),
+                                      f"both {r['both_acc']:.1%}; shapes drawn: {drawn_summary(r['drawn'])}"),
                     add_args=add_diversity_args, extend=diversity)
 
 
