@@ -4,7 +4,9 @@ as ModelMixin + ConfigMixin wrappers that save and load safetensors with `save_p
 `from_pretrained`. A pipeline folder (written by pipelines/text2image/export.py) holds:
 
   model_index.json   _class_name ["pipeline", "TextToImagePipeline"]; our components are named by
-                     their module path (pipelines.text2image.diffusers_pipeline)
+                     their module path (pipelines.text2image.diffusers_pipeline for the DiT;
+                     common.diffusion.diffusers_parts for the text tower, shared with text2video;
+                     folders written before it moved there name this module, which re-exports it)
   pipeline.py        one import of this module: what DiffusionPipeline.from_pretrained(..,
                      trust_remote_code=True) runs (diffusers 0.42 imports no library a folder names)
   transformer/       TextToImageDiTModel (config.json + safetensors), or unet/: a native UNet2DConditionModel
@@ -24,113 +26,45 @@ import dataclasses
 import json
 import os
 
-import numpy as np
 import torch
-from diffusers import (AutoencoderKL, DiffusionPipeline, DPMSolverMultistepScheduler,
-                       FlowMatchEulerDiscreteScheduler, ModelMixin, UNet2DConditionModel)
-from diffusers.configuration_utils import ConfigMixin, register_to_config
+from diffusers import AutoencoderKL, ModelMixin, UNet2DConditionModel
+from diffusers.configuration_utils import register_to_config
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.pipelines.pipeline_utils import ImagePipelineOutput
 
-from common.nn.text_encoder import TextEncoder, TextEncoderConfig, hf_text_features
+# The shared parts live in common/diffusion (text2video uses them too); they are re-exported here
+# because folders exported before the move name this module as their text_encoder's library.
+from common.diffusion import diffusers_parts
+from common.diffusion.diffusers_parts import (NUM_TRAIN_TIMESTEPS, SHIM, OpenCLIPTextModel, ShimmedPipeline,
+                                              WrappedDiT, encode_captions, scheduler_for, seeded_noise,
+                                              set_sampler_timesteps)
+from common.diffusion.pipeline_export import checkpoint_has_ema
+from common.nn.text_encoder import TextEncoder
 from pipelines.text2image.model import DiT, DiTConfig
 from pipelines.text2image.unet import run_unet
 
 # diffusers finds a component's load method by the base classes its module exposes by name: this
 # module's ModelMixin import (above) is what makes its wrappers loadable.
-__all__ = ["TextToImageDiTModel", "OpenCLIPTextModel", "TextToImagePipeline", "scheduler_for", "write_loader_shim"]
+__all__ = ["ModelMixin", "TextToImageDiTModel", "OpenCLIPTextModel", "TextToImagePipeline", "scheduler_for",
+           "write_loader_shim",
+           "checkpoint_has_ema", "init_from", "NUM_TRAIN_TIMESTEPS", "SHIM"]
 
-NUM_TRAIN_TIMESTEPS = 1000  # diffusers' timestep units: model time t in [0, 1] is t * 1000
-SHIM = "pipeline"
+
+def write_loader_shim(folder: str, class_name: str = "TextToImagePipeline") -> None:
+    """The loader shim naming `class_name` of this module (diffusers_parts.write_loader_shim)."""
+    diffusers_parts.write_loader_shim(folder, __name__, class_name)
 
 
-class TextToImageDiTModel(ModelMixin, ConfigMixin):
-    """pipelines.text2image.model.DiT (held as `dit`: its parameters keep our names under `dit.`),
-    called the diffusers way: timesteps in [0, num_train_timesteps] (0 = data)."""
+class TextToImageDiTModel(WrappedDiT):
+    """pipelines.text2image.model.DiT as a diffusers model (common.diffusion.diffusers_parts.WrappedDiT)."""
 
     @register_to_config
     def __init__(self, dit_config: dict | None = None, num_train_timesteps: int = NUM_TRAIN_TIMESTEPS):
         super().__init__()
         self.dit = DiT(DiTConfig(**(dit_config or {})))
 
-    @classmethod
-    def from_dit(cls, dit: DiT) -> "TextToImageDiTModel":
-        """Wraps `dit` itself (no copy of its weights)."""
-        with torch.device("meta"):  # the throwaway DiT the constructor builds costs no memory
-            wrapper = cls(dit_config=dataclasses.asdict(dit.cfg))
-        wrapper.dit = dit
-        return wrapper
 
-    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
-                encoder_attention_mask: torch.Tensor | None = None, return_dict: bool = True):
-        t = torch.as_tensor(timestep, device=hidden_states.device).float().reshape(-1)
-        t = t.expand(hidden_states.shape[0]) / self.config.num_train_timesteps
-        out = self.dit(hidden_states, t, encoder_hidden_states, encoder_attention_mask)
-        if not return_dict:
-            return (out,)
-        from diffusers.models.modeling_outputs import Transformer2DModelOutput
-        return Transformer2DModelOutput(sample=out)
-
-
-class OpenCLIPTextModel(ModelMixin, ConfigMixin):
-    """The frozen open_clip text tower (common.nn.text_encoder.TextEncoder, held as `encoder`) with
-    its bundled BPE tokenizer: forward(list of captions) -> (tokens (B, L, width), mask (B, L))."""
-
-    @register_to_config
-    def __init__(self, width: int = 128, layers: int = 2, heads: int = 4, context_length: int = 32,
-                 vocab_size: int = 49408, layer_scale: float | None = None):
-        super().__init__()
-        self.encoder = TextEncoder(TextEncoderConfig(width=width, layers=layers, heads=heads,
-                                                     context_length=context_length, vocab_size=vocab_size,
-                                                     layer_scale=layer_scale))
-
-    @classmethod
-    def from_encoder(cls, enc: TextEncoder) -> "OpenCLIPTextModel":
-        c = enc.cfg
-        with torch.device("meta"):
-            wrapper = cls(width=c.width, layers=c.layers, heads=c.heads, context_length=c.context_length,
-                          vocab_size=c.vocab_size, layer_scale=c.layer_scale)
-        wrapper.encoder = enc
-        return wrapper
-
-    def forward(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.encoder(texts)
-
-
-def scheduler_for(objective, num_tokens: int):
-    """The native diffusers scheduler that takes our sampler's steps for `objective`
-    (common.diffusion RectifiedFlow | DDPM); TextToImagePipeline sets its timesteps."""
-    from common.diffusion import DDPM, RectifiedFlow
-    if isinstance(objective, RectifiedFlow):
-        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=NUM_TRAIN_TIMESTEPS,
-                                               shift=objective.shift_for(num_tokens))
-    if isinstance(objective, DDPM):
-        # First-order DPM-Solver++ is DDIM with eta = 0 (the same update, written in log-SNR); unlike
-        # DDIMScheduler (which steps to t - T / n) it follows a given timestep list, and
-        # final_sigmas_type=zero ends on the predicted x0 as our DDIM does.
-        return DPMSolverMultistepScheduler(num_train_timesteps=objective.num_timesteps,
-                                           trained_betas=objective.betas.tolist(), solver_order=1,
-                                           algorithm_type="dpmsolver++", final_sigmas_type="zero",
-                                           prediction_type="epsilon" if objective.prediction == "eps" else "v_prediction")
-    raise TypeError(f"no diffusers scheduler for the objective {type(objective).__name__}")
-
-
-def write_loader_shim(folder: str, class_name: str = "TextToImagePipeline") -> None:
-    """Name the pipeline class in model_index.json through a one-line pipeline.py, the way
-    DiffusionPipeline.from_pretrained(folder, trust_remote_code=True) finds a class outside diffusers."""
-    with open(os.path.join(folder, SHIM + ".py"), "w") as f:
-        f.write("# Loads the text2image pipeline of the installed project (pip install -e <repo>).\n"
-                f"from pipelines.text2image.diffusers_pipeline import {class_name}  # noqa: F401\n")
-    path = os.path.join(folder, "model_index.json")
-    with open(path) as f:
-        index = json.load(f)
-    index["_class_name"] = [SHIM, class_name]
-    with open(path, "w") as f:
-        json.dump(index, f, indent=2, sort_keys=True)
-        f.write("\n")
-
-
-class TextToImagePipeline(DiffusionPipeline):
+class TextToImagePipeline(ShimmedPipeline):
     """Text -> image with a text2image run's denoiser (`transformer`: our DiT, or `unet`: a native
     UNet2DConditionModel), text tower, optional VAE and scheduler.
 
@@ -162,20 +96,6 @@ class TextToImagePipeline(DiffusionPipeline):
         factor = 2 ** (len(vae.config.block_out_channels) - 1) if vae is not None else 1
         self.image_processor = VaeImageProcessor(vae_scale_factor=factor, do_normalize=True)
 
-    @classmethod
-    def load_config(cls, *args, **kwargs):
-        # Called on this class itself, the folder's pipeline.py shim (which only names this class)
-        # is not needed: dropping it from _class_name keeps diffusers from executing it.
-        out = super().load_config(*args, **kwargs)
-        config = out[0] if isinstance(out, tuple) else out
-        if isinstance(config.get("_class_name"), list) and config["_class_name"][0] == SHIM:
-            config["_class_name"] = config["_class_name"][1]
-        return out
-
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        super().save_pretrained(save_directory, *args, **kwargs)
-        write_loader_shim(save_directory, type(self).__name__)
-
     # ------------------------------------------------------------------ pieces
     @property
     def denoiser(self):
@@ -193,20 +113,11 @@ class TextToImagePipeline(DiffusionPipeline):
 
     def encode_prompt(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens (B, L, width), mask (B, L) bool), as the training run's text tower gives them."""
-        if self.tokenizer is None:  # OpenCLIPTextModel tokenizes itself
-            return self.text_encoder(list(prompts))
-        return hf_text_features(self.text_encoder, self.tokenizer, list(prompts), self.config.text_max_length)
+        return encode_captions(self.text_encoder, self.tokenizer, prompts, self.config.text_max_length)
 
     def set_timesteps(self, num_inference_steps: int, device) -> None:
-        """The steps of common.diffusion.samplers: Euler over shift(linspace(1, 0, n + 1)) for
-        flow (the scheduler applies the shift), DDIM over linspace(T - 1, 0, n).round() for DDPM."""
-        s = self.scheduler
-        if isinstance(s, FlowMatchEulerDiscreteScheduler):
-            s.set_timesteps(sigmas=np.linspace(1.0, 0.0, num_inference_steps + 1)[:-1].tolist(), device=device)
-        else:
-            steps = torch.linspace(s.config.num_train_timesteps - 1, 0, num_inference_steps).round().long()
-            s.set_timesteps(timesteps=steps.tolist(), device=device)
-        s.set_begin_index(0)
+        """The steps of common.diffusion.samplers (diffusers_parts.set_sampler_timesteps)."""
+        set_sampler_timesteps(self.scheduler, num_inference_steps, device)
 
     def predict(self, x: torch.Tensor, t: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         t = t.reshape(-1).expand(x.shape[0])
@@ -214,21 +125,6 @@ class TextToImagePipeline(DiffusionPipeline):
             return self.transformer(x, t, ctx, mask, return_dict=False)[0]
         return run_unet(self.unet, x, t.float(), ctx, mask, pooled_text=self.config.unet_pooled_text,
                         patch_size=self.config.unet_patch_size)
-
-    def _noise(self, n: int, shape, generator, seed, latents, device, dtype) -> torch.Tensor:
-        if latents is not None:
-            return latents.to(device=device, dtype=dtype)
-        if seed is not None:  # sample.py's --seed: prompt i gets seed + i
-            seeds = [seed + i for i in range(n)] if isinstance(seed, int) else list(seed)
-            generator = [torch.Generator().manual_seed(int(s)) for s in seeds]
-        if isinstance(generator, list):
-            if len(generator) != n:
-                raise ValueError(f"{len(generator)} generators for {n} prompts")
-            noise = torch.stack([torch.randn(shape, generator=g, device=g.device) for g in generator])
-        else:
-            noise = torch.randn((n, *shape), generator=generator,
-                                device=generator.device if generator is not None else "cpu")
-        return noise.to(device=device, dtype=dtype)
 
     # ------------------------------------------------------------------ sampling
     @torch.no_grad()
@@ -246,18 +142,9 @@ class TextToImagePipeline(DiffusionPipeline):
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         device = self._execution_device
         dtype = self.denoiser.dtype
-        ctx, mask = self.encode_prompt(prompts)
         guided = guidance_scale != 1.0
-        if guided:
-            if negative_prompt is None:  # the empty caption the run dropped captions to, encoded once
-                uctx, umask = self.encode_prompt([""])
-                uctx, umask = uctx.expand(len(prompts), -1, -1), umask.expand(len(prompts), -1)
-            else:
-                negs = [negative_prompt] * len(prompts) if isinstance(negative_prompt, str) else list(negative_prompt)
-                uctx, umask = self.encode_prompt(negs)
-            ctx, mask = torch.cat([ctx, uctx]), torch.cat([mask, umask])
-        ctx, mask = ctx.to(device), mask.to(device)
-        x = self._noise(len(prompts), self.model_shape, generator, seed, latents, device, torch.float32)
+        ctx, mask = self.guided_context(prompts, negative_prompt, guided, device)
+        x = seeded_noise(len(prompts), self.model_shape, generator, seed, latents, device, torch.float32)
         self.set_timesteps(num_inference_steps, device)
         for t in self.progress_bar(self.scheduler.timesteps):
             x_in = torch.cat([x, x]) if guided else x
@@ -312,13 +199,6 @@ def init_from(comp, path: str) -> str:
     comp.model.train()
     return (f"{'EMA' if ema else 'trained'} weights of {ckpt}"
             + ("" if same_text else " (its text tower differs from this run's: kept this run's)"))
-
-
-def checkpoint_has_ema(ckpt: str) -> bool:
-    """Whether a complete checkpoint directory holds an EMA copy of the model."""
-    import torch.distributed.checkpoint as dcp
-    keys = dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata
-    return any(k.startswith("ema.") for k in keys)
 
 
 def _init_from_pipeline(comp, path: str) -> str:

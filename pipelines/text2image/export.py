@@ -22,28 +22,13 @@ order 1 = DDIM for DDPM runs). README.md in the folder says which weights and ch
 """
 from __future__ import annotations
 
-import argparse
 import os
-import shutil
 
-from common.checkpoint import CheckpointError, resolve_checkpoint
 from common.cli import run_cli
 from common.config import ConfigError
 from common.diffusion import RectifiedFlow
+from common.diffusion.pipeline_export import export_main
 from common.nn.text_encoder import TextEncoder
-from common.run import check_run_dir, load_run
-
-
-def _checkpoint(run: str, checkpoint: str | None) -> str:
-    if not os.path.isdir(run):
-        raise ConfigError(f"run directory not found: {run}")
-    check_run_dir(run)
-    try:
-        return resolve_checkpoint(checkpoint or os.path.join(run, "checkpoints"))
-    except CheckpointError:
-        if checkpoint:
-            raise
-        raise CheckpointError(f"{run} holds no complete checkpoint (train it first, or pass --checkpoint)") from None
 
 
 def build_pipeline(comp):
@@ -99,7 +84,7 @@ guidance {cfg.sample.cfg:g}. `training_config.yaml` is the run's resolved config
 {chr(10).join(parts)}
 
 Needs the project installed (`pip install -e <repo>`): the transformer and the open_clip text tower
-are the project's classes (`pipelines.text2image.diffusers_pipeline`).
+are the project's classes (`pipelines.text2image.diffusers_pipeline`, `common.diffusion.diffusers_parts`).
 
 ```python
 from diffusers import DiffusionPipeline
@@ -114,49 +99,21 @@ image = pipe("a red circle", num_inference_steps={cfg.sample.steps}, guidance_sc
 """
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pipelines.text2image.export", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run", required=True, help="run directory (config.yaml and checkpoints/)")
-    p.add_argument("--out", required=True, help="pipeline folder to write (must not exist or be empty)")
-    p.add_argument("--checkpoint", default=None, help="a specific checkpoint directory (default: the run's latest)")
-    p.add_argument("--weights", choices=("ema", "trained"), default="ema",
-                   help="ema (default): the checkpoint's EMA copy, or the trained weights where it has none")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
-    args = p.parse_args(argv)
-    ckpt = _checkpoint(args.run, args.checkpoint)
-    out = os.path.normpath(args.out)
-    if os.path.isfile(out) or (os.path.isdir(out) and os.listdir(out) and not args.overwrite):
-        raise ConfigError(f"--out {out} exists and is not empty (pass --overwrite to replace it)")
-
-    from pipelines.text2image.diffusers_pipeline import checkpoint_has_ema
-    from pipelines.text2image.spec import SPEC
-    has_ema = checkpoint_has_ema(ckpt)
-    use_ema = args.weights == "ema" and has_ema
-    comp, meta = load_run(SPEC, args.run, ckpt, use_ema=use_ema)
-    decay = comp.cfg.train.ema_decay
-    weights = (f"EMA weights (decay {decay:g})" if use_ema else
-               "trained weights" + (" (--weights trained)" if has_ema else " (the checkpoint has no EMA copy)"))
-    pipe = build_pipeline(comp)
-
-    # Written beside the destination and renamed when complete: an interrupted export leaves no
-    # half-written folder where a loader would find it.
-    tmp = out + ".export-tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    pipe.save_pretrained(tmp, safe_serialization=True)
-    shutil.copyfile(os.path.join(args.run, "config.yaml"), os.path.join(tmp, "training_config.yaml"))
-    with open(os.path.join(tmp, "README.md"), "w") as f:
-        f.write(_model_card(comp, meta, ckpt, weights, pipe, args.run))
-    if os.path.isdir(out):
-        shutil.rmtree(out)
-    os.rename(tmp, out)
+def _summary(comp, pipe) -> str:
     parts = ["transformer" if pipe.transformer is not None else "unet", "text_encoder"]
     parts += ["tokenizer"] if pipe.tokenizer is not None else []
     parts += ["vae"] if pipe.vae is not None else []
-    print(f"exported {ckpt} (step {meta['step']}, {weights}) to {out}: {', '.join(parts)}, scheduler "
-          f"{_describe_scheduler(comp, pipe)}; load with DiffusionPipeline.from_pretrained({out!r}, "
-          f"trust_remote_code=True)")
-    return 0
+    return f"{', '.join(parts)}, scheduler {_describe_scheduler(comp, pipe)}"
+
+
+def _spec():
+    from pipelines.text2image.spec import SPEC
+    return SPEC
+
+
+def main(argv=None) -> int:
+    return export_main(argv, prog="python -m pipelines.text2image.export", doc=__doc__, load_spec=_spec,
+                       build_pipeline=build_pipeline, model_card=_model_card, summary=_summary)
 
 
 if __name__ == "__main__":
