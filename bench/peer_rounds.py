@@ -15,10 +15,51 @@ import os
 import statistics
 import time
 
+import torch
+
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 CLOCK_HELP = ("wall: elapsed time (the default; what a user waits). cpu: this process's CPU time, which "
               "time stolen by other VMs does not inflate; with --threads 1 it is the work itself (with more "
               "threads it also counts OpenMP spin-waits)")
+
+
+def optimizer_step(model, opt, loss) -> float:
+    """backward, gradient clipping at 1.0, the optimizer's step: what both sides do after the loss."""
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+class OursStep:
+    """Our side: a pipeline's real training step (its components' prepare and criterion, the model,
+    per-block compile where the config asks, common.optim's AdamW, EMA). A subclass builds the
+    config and components, then calls this __init__, and gives make_batch(step) -> the loader's
+    batch dict."""
+
+    def __init__(self, cfg, comp, make_step_fns, batch: int):
+        from common.ema import EMA
+        from common.optim import build_optimizer
+        from common.parallel.compile import compile_blocks
+        self.cfg, self.comp, self.batch, self.model = cfg, comp, batch, comp.model
+        self.prepare, self.criterion = make_step_fns(comp, torch.device("cpu"))
+        if cfg.parallel.compile:  # as training applies it (common/parallel): each block's forward
+            compile_blocks(self.model.blocks)
+        self.opt = build_optimizer(self.model, cfg.optim)
+        self.ema = EMA(self.model, cfg.train.ema_decay)
+        self.step_index = 0
+
+    def make_batch(self, step: int) -> dict:
+        raise NotImplementedError
+
+    def step(self) -> float:
+        i = self.step_index
+        inputs, target = self.prepare(self.make_batch(i))
+        loss = optimizer_step(self.model, self.opt, self.criterion(self.model(*inputs), target))
+        self.ema.update(i)
+        self.step_index += 1
+        return loss
 
 
 def timed(side, steps: int, clock=time.perf_counter) -> float:

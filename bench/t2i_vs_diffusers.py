@@ -35,11 +35,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.peer_rounds import add_arguments, alternate, write_json  # noqa: E402
+from bench.peer_rounds import OursStep, add_arguments, alternate, optimizer_step, write_json  # noqa: E402
 from common.config import build_config  # noqa: E402
-from common.ema import EMA  # noqa: E402
-from common.optim import build_optimizer  # noqa: E402
-from common.parallel.compile import compile_blocks  # noqa: E402
 from pipelines.text2image import components  # noqa: E402
 from pipelines.text2image.config import T2IConfig  # noqa: E402
 
@@ -58,32 +55,16 @@ def captions(n: int, step: int) -> list[str]:
             for i in range(n)]
 
 
-class Ours:
+class Ours(OursStep):
     def __init__(self, overrides: list[str], batch: int):
         cfg = build_config(T2IConfig, os.path.join(ROOT, "pipelines/text2image/configs/tiny.yaml"), overrides)
-        self.cfg, self.comp, self.batch = cfg, components.build(cfg), batch
-        self.model = self.comp.model
-        self.prepare, self.criterion = components.make_step_fns(self.comp, torch.device("cpu"))
-        if cfg.parallel.compile:  # as training applies it (common/parallel): each block's forward
-            compile_blocks(self.model.blocks)
-        self.opt = build_optimizer(self.model, cfg.optim)
-        self.ema = EMA(self.model, cfg.train.ema_decay)
+        super().__init__(cfg, components.build(cfg), components.make_step_fns, batch)
         self.size, self.channels = self.comp.latent_size, self.comp.latent_channels
-        self.step_index = 0
 
-    def step(self) -> float:
-        i, b = self.step_index, self.batch
-        batch = {"image": torch.rand(b, self.channels, self.size, self.size) * 2 - 1, "caption": captions(b, i),
-                 "__position__": torch.arange(i * b, (i + 1) * b)}
-        inputs, target = self.prepare(batch)
-        loss = self.criterion(self.model(*inputs), target)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        self.ema.update(i)
-        self.step_index += 1
-        return loss.item()
+    def make_batch(self, i: int) -> dict:
+        b = self.batch
+        return {"image": torch.rand(b, self.channels, self.size, self.size) * 2 - 1, "caption": captions(b, i),
+                "__position__": torch.arange(i * b, (i + 1) * b)}
 
 
 class Peer:
@@ -116,11 +97,7 @@ class Peer:
                           encoder_attention_mask=self.mask, added_cond_kwargs={"resolution": None, "aspect_ratio": None},
                           return_dict=False)[0]
         loss = torch.nn.functional.mse_loss(pred, eps - x0)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return loss.item()
+        return optimizer_step(self.model, self.opt, loss)
 
 
 def compare(name: str, batch: int, rounds: int, steps: int, overrides: list[str], clock: str = "wall") -> dict:

@@ -199,7 +199,8 @@ def score(images: Iterable, attrs: Sequence[dict]) -> dict:
         colour_ok += c
         shape_ok += s
         both_ok += c and s
-        drawn[got["shape"] or "none"] = drawn.get(got["shape"] or "none", 0) + 1
+        key = got["shape"] or "none"
+        drawn[key] = drawn.get(key, 0) + 1
     if n == 0:
         return {"colour_acc": 0.0, "shape_acc": 0.0, "both_acc": 0.0, "n": 0, "drawn": {}}
     return {"colour_acc": colour_ok / n, "shape_acc": shape_ok / n, "both_acc": both_ok / n, "n": n,

@@ -46,8 +46,7 @@ from pipelines.text2image.unet import run_unet
 # diffusers finds a component's load method by the base classes its module exposes by name: this
 # module's ModelMixin import (above) is what makes its wrappers loadable.
 __all__ = ["ModelMixin", "TextToImageDiTModel", "OpenCLIPTextModel", "TextToImagePipeline", "scheduler_for",
-           "write_loader_shim",
-           "checkpoint_has_ema", "init_from", "NUM_TRAIN_TIMESTEPS", "SHIM"]
+           "write_loader_shim", "checkpoint_has_ema", "init_from", "NUM_TRAIN_TIMESTEPS", "SHIM"]
 
 
 def write_loader_shim(folder: str, class_name: str = "TextToImagePipeline") -> None:
