@@ -122,6 +122,27 @@ def test_dit_modulation_tables_norms_and_biases_are_not_decayed():
     assert {"blocks.0.attn.to_q.weight", "patch_embed.proj.weight", "t_block.1.weight"} <= decayed
 
 
+def test_modules_declare_their_own_undecayed_matrices_under_wrappers():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from common.optim import declared_no_decay
+
+    class Table(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.offsets = torch.nn.Parameter(torch.zeros(4, 8))
+            self.proj = torch.nn.Linear(8, 8)
+
+        def no_weight_decay(self):
+            return {"offsets"}
+
+    model = torch.nn.Sequential(Table(), torch.nn.ModuleDict({"inner": checkpoint_wrapper(Table())}))
+    declared = declared_no_decay(model)
+    names = {n for n, _ in model.named_parameters()}
+    assert declared == {"0.offsets", "1.inner._checkpoint_wrapped_module.offsets"} and declared <= names
+    assert declared_no_decay(Table()) == {"offsets"}
+
+
 def test_plain_parameters_take_the_fused_adamw_with_the_foreach_result():
     from common.config import OptimConfig
     from common.optim import build_optimizer

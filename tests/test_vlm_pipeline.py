@@ -132,6 +132,27 @@ def test_padding_tail_and_fixed_rows_leave_the_loss_alone(tok):
         assert abs(float(forward_loss(model, free, "sample")) - float(forward_loss(model, fixed, "sample"))) < 1e-12
 
 
+# --------------------------------------------------------------------------- weight decay
+def test_projector_position_table_is_not_decayed_but_its_weights_are(tok, tmp_path):
+    from common.optim import build_optimizer
+    from pipelines.vlm.components import build_vlm
+    tok.save(str(tmp_path / "tok"))
+    cfg = build_config(VLMConfig, TINY, [*SMALL, "stage.name=full", f"tokenizer.path={tmp_path / 'tok'}",
+                                         "clip.image_size=16", "clip.patch_size=4", "stages=[]", "optim.weight_decay=0.1"])
+    model = build_vlm(cfg, tok)
+    opt = build_optimizer(model, cfg.optim)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decay = {g["weight_decay"]: {names[id(p)] for p in g["params"]} for g in opt.param_groups}
+    assert model.projector.pos.ndim == 2  # ndim alone would decay it
+    assert "projector.pos" in decay[0.0] and "projector.pos" not in decay[0.1]
+    assert {"projector.fc1.weight", "projector.fc2.weight"} <= decay[0.1]
+    # open_clip's vision tower declares its position table the same way (timm's convention).
+    assert "visual.positional_embedding" in decay[0.0] and model.visual.positional_embedding.ndim == 2
+    # The opt-outs name only those tables: the rest of the model keeps the ndim rule.
+    tables = {"projector.pos", "visual.positional_embedding"}
+    assert decay[0.0] - tables == {n for n, p in model.named_parameters() if p.ndim < 2 and p.requires_grad}
+
+
 # --------------------------------------------------------------------------- frozen parts
 @pytest.mark.parametrize("stage,trainable", [("align", {"projector"}), ("instruct", {"projector", "lm"}),
                                              ("full", {"projector", "lm", "visual"})])

@@ -50,6 +50,9 @@ class Projector(nn.Module):
         self.fc2 = nn.Linear(hidden, out_dim)
         self.pos = nn.Parameter(torch.randn(tokens, out_dim) * 0.02)
 
+    def no_weight_decay(self) -> set[str]:
+        return {"pos"}  # an additive table, not a map (common.optim.declared_no_decay)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(self.norm(x)))) + self.pos
 
