@@ -32,6 +32,10 @@ MOTIONS: dict[str, tuple[str, ...]] = {
     "shrinking": ("shrinking", "getting smaller"),
     "static": ("standing still", "not moving"),
 }
+# Each motion but "static" and the one that reverses it (phrases are parallel: index i of one is
+# the reversal of index i of the other).
+OPPOSITE_MOTION: dict[str, str] = {"left_to_right": "right_to_left", "right_to_left": "left_to_right",
+                                   "up": "down", "down": "up", "growing": "shrinking", "shrinking": "growing"}
 VIDEO_FORMATS = ("mp4", "npy", "both")
 # Every template names colour, shape and motion.
 VIDEO_TEMPLATES: list[str] = [
@@ -55,6 +59,19 @@ def video_caption(attrs: dict, template: int, phrase: int) -> str:
         a_size=article(size), background=attrs["background"],
         motion=MOTIONS[attrs["motion"]][phrase],
     )  # fmt: skip
+
+
+def reverse_motion(caption: str, attrs: dict) -> tuple[str, str] | None:
+    """(the caption with its motion phrase replaced by the opposite motion's, that motion), from a
+    clip's caption and attributes; None for a static clip or a caption that lacks its phrase."""
+    motion, phrase = attrs.get("motion"), attrs.get("phrase")
+    if motion not in OPPOSITE_MOTION or phrase is None:
+        return None
+    opposite = OPPOSITE_MOTION[motion]
+    old, new = MOTIONS[motion][phrase], MOTIONS[opposite][phrase]
+    if old not in caption:
+        return None
+    return caption.replace(old, new, 1), opposite
 
 
 def _size_name(radius: float) -> str:

@@ -155,3 +155,24 @@ def test_analyser_inputs_and_failures():
     noise = np.random.default_rng(0).integers(0, 256, (8, 32, 32, 3), dtype=np.uint8)
     assert not analyse(noise)["confident"]
     assert score([], [])["n"] == 0
+
+
+def test_reverse_motion_swaps_the_phrase_for_the_opposite_one():
+    from data.synth_video import MOTIONS, OPPOSITE_MOTION, VIDEO_TEMPLATES, reverse_motion, video_caption
+    sizes = {"growing": ("small", "large"), "shrinking": ("large", "small")}
+    for motion in MOTIONS:
+        start, end = sizes.get(motion, ("small", "small"))
+        for phrase in range(len(MOTIONS[motion])):
+            for template in range(len(VIDEO_TEMPLATES)):
+                a = {"colour": "red", "shape": "circle", "background": "blue", "motion": motion, "phrase": phrase,
+                     "size_start": start, "size_end": end}
+                caption = video_caption(a, template, phrase)
+                got = reverse_motion(caption, a)
+                if motion == "static":
+                    assert got is None
+                    continue
+                # The caption of the clip played backwards: opposite motion, sizes swapped.
+                backwards = {**a, "motion": OPPOSITE_MOTION[motion], "size_start": end, "size_end": start}
+                assert got == (video_caption(backwards, template, phrase), backwards["motion"])
+                assert reverse_motion(got[0], backwards) == (caption, motion)
+    assert reverse_motion("a red circle", {"motion": "up", "phrase": 0}) is None  # phrase missing

@@ -147,8 +147,40 @@ def test_denoise_probe_reads_motion_from_lightly_noised_clips_only(video_data):
     from pipelines.text2video.config import T2VConfig
     from pipelines.text2video.eval import denoise_probe
     comp = components.build(build_config(T2VConfig, TINY_YAML, SMALL_MODEL))
-    acc = denoise_probe(comp, comp.model, f"{video_data}/train", 16, [0.02, 1.0])
-    assert acc[0.02] >= 0.9 and acc[1.0] <= 0.5, acc
+    probe = denoise_probe(comp, comp.model, f"{video_data}/train", 16, [0.02, 1.0])
+    assert probe[0.02]["motion_acc"] >= 0.9 and probe[1.0]["motion_acc"] <= 0.5, probe
+    # The prediction is the clip itself, whatever the caption says: a reversed caption is not followed.
+    assert probe[0.02]["reversed_followed"] <= 0.1, probe
+
+
+def test_denoise_probe_counts_reversed_captions_a_model_follows(video_data):
+    """An oracle that ignores the noisy clip and returns a real clip of the motion its caption names:
+    with the caption reversed, its predictions move the reversed way."""
+    from types import SimpleNamespace
+
+    from common.data import ShardIndex, expand_shards
+    from common.data.captions import read_attributes
+    from data.synth_video import MOTIONS
+    from pipelines.text2video.data import ClipDecoder
+    from pipelines.text2video.eval import denoise_probe
+    decoder, index = ClipDecoder(8, (32, 32)), ShardIndex(expand_shards(f"{video_data}/train"))
+    by_motion = {}
+    for shard, size in enumerate(index.shard_sizes):
+        for i in range(size):
+            s = index.read(shard, i)
+            by_motion.setdefault(read_attributes(s)["motion"], decoder(s)["video"])
+
+    def motion_of(caption: str) -> str:
+        return next(m for m, phrases in MOTIONS.items() if any(p in caption for p in phrases))
+
+    def oracle(x_t, t, captions, mask):
+        clean = torch.stack([by_motion[motion_of(c)] for c in captions])
+        return (x_t - clean) / t.view(-1, 1, 1, 1, 1)  # x_t - t v = clean
+
+    oracle.eval = lambda: None
+    comp = SimpleNamespace(vae=None, clip_shape=(3, 8, 32, 32), text_encoder=lambda captions: (captions, None))
+    probe = denoise_probe(comp, oracle, f"{video_data}/train", 16, [0.9])
+    assert probe[0.9]["motion_acc"] >= 0.9 and probe[0.9]["reversed_followed"] >= 0.9, probe
 
 
 # --------------------------------------------------------------------------- end to end

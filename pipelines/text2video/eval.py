@@ -8,7 +8,10 @@ shape and motion accuracy and writes eval.json into the run directory.
 the model predicts the clean clip in one step (x0 = x_t - t v) from its caption, and the analyser
 reads the motion of that prediction. High accuracy at moderate t with low sample accuracy means
 the denoiser keeps motion it is shown but the caption does not set it at high noise, where the
-sampler decides the trajectory.
+sampler decides the trajectory. The probe then asks the same of each moving clip with its motion
+phrase reversed in the caption ("moving up" -> "moving down", same noise): the share of those
+predictions that move as the reversed caption says is how far the caption steers motion at t
+(near 0% where the clip's own evidence wins or the caption is ignored).
 
   python -m pipelines.text2video.eval --run RUN_DIR [--shards SPEC] [--num N] [--steps S] [--cfg W]
                                       [--probe-t T1,T2,...]
@@ -26,14 +29,17 @@ from common.data.captions import read_attributes
 from common.diffusion.text_conditioned import to_uint8
 from common.run import evaluate
 from data.motion_analysis import score
+from data.synth_video import reverse_motion
 from pipelines.text2video.data import ClipDecoder
 from pipelines.text2video.spec import SPEC
 
 
 @torch.no_grad()
 def denoise_probe(comp, model, spec: str, n: int, ts, seed: int = 0, batch_size: int = 16) -> dict:
-    """{t: motion accuracy of the one-step clean prediction from the clip noised to t} over the
-    first n clips of `spec` (pixel space only)."""
+    """{t: {"motion_acc": motion accuracy of the one-step clean prediction from the clip noised to t,
+    "reversed_followed": share of the moving clips whose prediction, from the caption with its
+    motion reversed (same noise), moves as that caption says}} over the first n clips of `spec`
+    (pixel space only)."""
     if comp.vae is not None:
         raise ConfigError("--probe-t needs a pixel-space run (the analyser reads pixels)")
     c, frames, h, w = comp.clip_shape
@@ -48,18 +54,31 @@ def denoise_probe(comp, model, spec: str, n: int, ts, seed: int = 0, batch_size:
         clips.append(d["video"])
         captions.append(d["caption"])
         attrs.append(read_attributes(s))
+    reversed_ = [(i, *r) for i, r in enumerate(reverse_motion(cap, a) for cap, a in zip(captions, attrs)) if r]
     model.eval()
+
+    def predict(t: float, rows: list[int], prompts: list[str]) -> list:
+        preds = []
+        for i in range(0, len(rows), batch_size):
+            part = rows[i:i + batch_size]
+            x0 = torch.stack([clips[r] for r in part])
+            # Noise seeded per clip: a clip gets the same noise under its true and reversed caption.
+            noise = torch.stack([torch.randn(x0.shape[1:], generator=torch.Generator().manual_seed(seed + r))
+                                 for r in part])
+            x_t = (1 - t) * x0 + t * noise
+            ctx, mask = comp.text_encoder(prompts[i:i + batch_size])
+            v = model(x_t, torch.full((len(part),), float(t)), ctx, mask)
+            preds.append(to_uint8(x_t - t * v))
+        return list(torch.cat(preds).numpy()) if preds else []
+
     out = {}
     for t in ts:
-        preds = []
-        for i in range(0, len(clips), batch_size):
-            x0 = torch.stack(clips[i:i + batch_size])
-            g = torch.Generator().manual_seed(seed + i)
-            x_t = (1 - t) * x0 + t * torch.randn(x0.shape, generator=g)
-            ctx, mask = comp.text_encoder(captions[i:i + batch_size])
-            v = model(x_t, torch.full((len(x0),), float(t)), ctx, mask)
-            preds.append(to_uint8(x_t - t * v))
-        out[float(t)] = score(list(torch.cat(preds).numpy()), attrs)["motion_acc"]
+        result = {"motion_acc": score(predict(t, list(range(len(clips))), captions), attrs)["motion_acc"]}
+        if reversed_:
+            rows, prompts, motions = zip(*reversed_)
+            target = [{**attrs[r], "motion": m} for r, m in zip(rows, motions)]
+            result["reversed_followed"] = score(predict(t, list(rows), list(prompts)), target)["motion_acc"]
+        out[float(t)] = result
     return out
 
 
@@ -82,9 +101,13 @@ def _probe(args, comp, examples, result) -> list[str]:
     if not args.probe_t:
         return []
     probe = denoise_probe(comp, comp.model, args.shards, args.num, args.probe_t, args.seed)
-    result["denoise_probe_motion_acc"] = {str(t): acc for t, acc in probe.items()}
+    result["denoise_probe_motion_acc"] = {str(t): r["motion_acc"] for t, r in probe.items()}
+    result["denoise_probe_reversed_followed"] = {str(t): r["reversed_followed"] for t, r in probe.items()
+                                                 if "reversed_followed" in r}
     return ["denoising probe, motion accuracy of the one-step prediction from the clip noised to t: "
-            + ", ".join(f"t={t:g} {acc:.1%}" for t, acc in probe.items())]
+            + ", ".join(f"t={t:g} {r['motion_acc']:.1%}" for t, r in probe.items()),
+            "  ... and with the caption's motion reversed, predictions that follow the reversed caption: "
+            + ", ".join(f"t={t:g} {r['reversed_followed']:.1%}" for t, r in probe.items() if "reversed_followed" in r)]
 
 
 def main(argv=None) -> int:
