@@ -55,6 +55,9 @@ def denoise_probe(comp, model, spec: str, n: int, ts, seed: int = 0, batch_size:
         captions.append(d["caption"])
         attrs.append(read_attributes(s))
     reversed_ = [(i, *r) for i, r in enumerate(reverse_motion(cap, a) for cap, a in zip(captions, attrs)) if r]
+    # Noise drawn once per clip, from its own seed: the same under every t and under its true and
+    # reversed caption.
+    noises = [torch.randn(clip.shape, generator=torch.Generator().manual_seed(seed + r)) for r, clip in enumerate(clips)]
     model.eval()
 
     def predict(t: float, rows: list[int], prompts: list[str]) -> list:
@@ -62,10 +65,7 @@ def denoise_probe(comp, model, spec: str, n: int, ts, seed: int = 0, batch_size:
         for i in range(0, len(rows), batch_size):
             part = rows[i:i + batch_size]
             x0 = torch.stack([clips[r] for r in part])
-            # Noise seeded per clip: a clip gets the same noise under its true and reversed caption.
-            noise = torch.stack([torch.randn(x0.shape[1:], generator=torch.Generator().manual_seed(seed + r))
-                                 for r in part])
-            x_t = (1 - t) * x0 + t * noise
+            x_t = (1 - t) * x0 + t * torch.stack([noises[r] for r in part])
             ctx, mask = comp.text_encoder(prompts[i:i + batch_size])
             v = model(x_t, torch.full((len(part),), float(t)), ctx, mask)
             preds.append(to_uint8(x_t - t * v))
@@ -101,13 +101,14 @@ def _probe(args, comp, examples, result) -> list[str]:
     if not args.probe_t:
         return []
     probe = denoise_probe(comp, comp.model, args.shards, args.num, args.probe_t, args.seed)
-    result["denoise_probe_motion_acc"] = {str(t): r["motion_acc"] for t, r in probe.items()}
-    result["denoise_probe_reversed_followed"] = {str(t): r["reversed_followed"] for t, r in probe.items()
-                                                 if "reversed_followed" in r}
+    acc = {t: r["motion_acc"] for t, r in probe.items()}
+    followed = {t: r["reversed_followed"] for t, r in probe.items() if "reversed_followed" in r}
+    result["denoise_probe_motion_acc"] = {str(t): v for t, v in acc.items()}
+    result["denoise_probe_reversed_followed"] = {str(t): v for t, v in followed.items()}
     return ["denoising probe, motion accuracy of the one-step prediction from the clip noised to t: "
-            + ", ".join(f"t={t:g} {r['motion_acc']:.1%}" for t, r in probe.items()),
+            + ", ".join(f"t={t:g} {v:.1%}" for t, v in acc.items()),
             "  ... and with the caption's motion reversed, predictions that follow the reversed caption: "
-            + ", ".join(f"t={t:g} {r['reversed_followed']:.1%}" for t, r in probe.items() if "reversed_followed" in r)]
+            + ", ".join(f"t={t:g} {v:.1%}" for t, v in followed.items())]
 
 
 def main(argv=None) -> int:
