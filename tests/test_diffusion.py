@@ -98,6 +98,15 @@ def _alpha_bar_ref(schedule, T):
     return torch.tensor([f((i + 1) / T) / f(0) for i in range(T)], dtype=torch.float64)
 
 
+def test_scaled_linear_matches_stable_diffusion_scheduler():
+    # diffusers' DDPMScheduler as SD's scheduler_config.json sets it: the betas an SD UNet learned.
+    from diffusers import DDPMScheduler
+    sd = DDPMScheduler(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear")
+    ours = DDPM(1000, "scaled_linear", "eps")
+    torch.testing.assert_close(ours.alphas_cumprod, sd.alphas_cumprod.double(), rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(DDPM(1000, "linear").alphas_cumprod, ours.alphas_cumprod, rtol=1e-3)
+
+
 @pytest.mark.parametrize("schedule", ["linear", "cosine"])
 def test_ddpm_schedule_and_conversions(schedule):
     T = 1000

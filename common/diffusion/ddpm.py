@@ -18,15 +18,25 @@ def _bcast(a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return a.view(-1, *([1] * (x.dim() - 1))).to(x.device, x.dtype)
 
 
+# Stable Diffusion's betas: linear in sqrt(beta) between these (its "scaled_linear"), so that a
+# pretrained SD UNet is fine-tuned on the noise levels it was trained on.
+SD_BETA_START, SD_BETA_END = 0.00085, 0.012
+SCHEDULES = ("linear", "cosine", "scaled_linear")
+
+
 def make_betas(schedule: str, num_timesteps: int, beta_start: float = 1e-4, beta_end: float = 0.02):
+    """float64 betas. linear: beta_start..beta_end; cosine: alpha_bar from the cosine (beta_* unused);
+    scaled_linear: Stable Diffusion's schedule, always between SD_BETA_START and SD_BETA_END."""
     if schedule == "linear":  # Ho et al. 2020
         return torch.linspace(beta_start, beta_end, num_timesteps, dtype=torch.float64)
+    if schedule == "scaled_linear":
+        return torch.linspace(SD_BETA_START ** 0.5, SD_BETA_END ** 0.5, num_timesteps, dtype=torch.float64) ** 2
     if schedule == "cosine":  # Nichol & Dhariwal 2021, s = 0.008, betas clipped at 0.999
         s = 0.008
         f = lambda u: math.cos((u + s) / (1 + s) * math.pi / 2) ** 2  # noqa: E731
         b = [min(1 - f((i + 1) / num_timesteps) / f(i / num_timesteps), 0.999) for i in range(num_timesteps)]
         return torch.tensor(b, dtype=torch.float64)
-    raise ValueError(f"unknown beta schedule {schedule!r}")
+    raise ValueError(f"unknown beta schedule {schedule!r}; choose from {', '.join(SCHEDULES)}")
 
 
 class DDPM:
