@@ -79,3 +79,18 @@ def test_shipped_configs_parse_and_build_their_model_config(name):
     cfg = build_config(T2IConfig, os.path.join(ROOT, f"pipelines/text2image/configs/{name}.yaml"), [])
     dcfg = dit_config(cfg.model.preset, **model_overrides(cfg))
     assert dcfg.hidden % dcfg.heads == 0
+
+
+def test_sd15_finetune_config_is_sd_fine_tuning():
+    """The shipped SD fine-tuning config parses and asks for what an SD1.x UNet was trained with
+    (its architecture is read from model.init_from when the run is built: tests/test_t2i_sd_folder.py)."""
+    import os
+
+    from common.diffusion import DDPM
+    from common.diffusion.text_conditioned import objective_from_config
+    from tests.conftest import ROOT
+    cfg = build_config(T2IConfig, os.path.join(ROOT, "pipelines/text2image/configs/sd15_finetune.yaml"), [])
+    assert (cfg.model.arch, cfg.model.preset, cfg.text.width, cfg.text.context_length) == ("unet", "folder", 768, 77)
+    objective = objective_from_config(cfg.diffusion)
+    assert isinstance(objective, DDPM) and objective.prediction == "eps"
+    assert abs(objective.betas[0].item() - 0.00085) < 1e-12 and abs(objective.betas[-1].item() - 0.012) < 1e-12

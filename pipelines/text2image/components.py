@@ -4,6 +4,7 @@ the shared entrypoints."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
 
@@ -17,7 +18,8 @@ from common.diffusion import text_conditioned as tc
 from common.nn.text_encoder import build_text_encoder, text_signature
 from pipelines.text2image.config import T2IConfig
 from pipelines.text2image.model import DiT, dit_config
-from pipelines.text2image.unet import UNet, unet_config
+from pipelines.text2image.unet import (FOLDER_PRESET, UNet, diffusers_config_mismatch, signature_fields,
+                                       unet_config, unet_config_from_diffusers)
 
 PIPELINE = "text2image"
 # Per-sample stream of the VAE posterior sample (common/diffusion/noise.py uses salts 1-3).
@@ -65,13 +67,47 @@ def build_dit(cfg: T2IConfig, size: int, channels: int) -> DiT:
     return DiT(dcfg)
 
 
+def unet_folder(path: str) -> str | None:
+    """The diffusers UNet2DConditionModel folder in `path`: its unet/ (a pipeline folder, e.g. Stable
+    Diffusion's) or `path` itself (a bare UNet folder); None when it holds neither."""
+    for folder in (os.path.join(path, "unet"), path):
+        config = os.path.join(folder, "config.json")
+        if os.path.isfile(config):
+            with open(config) as f:
+                if json.load(f).get("_class_name") == "UNet2DConditionModel":
+                    return folder
+    return None
+
+
+def read_unet_folder_config(path: str) -> dict:
+    folder = unet_folder(path) if os.path.isdir(path) else None
+    if folder is None:
+        raise ConfigError(f"model.preset={FOLDER_PRESET} takes the architecture of the diffusers UNet in model.init_from, "
+                          f"but {path!r} holds no UNet2DConditionModel (a unet/config.json, or a config.json)")
+    with open(os.path.join(folder, "config.json")) as f:
+        return json.load(f)
+
+
 def build_unet(cfg: T2IConfig, size: int, channels: int) -> UNet:
-    ucfg = unet_config(cfg.model.preset, img_size=size, in_channels=channels, text_dim=cfg.text.width,
-                       text_len=cfg.text.context_length)
+    sizes = dict(img_size=size, in_channels=channels, text_dim=cfg.text.width, text_len=cfg.text.context_length)
+    if cfg.model.preset == FOLDER_PRESET:
+        folder_config = read_unet_folder_config(cfg.model.init_from)
+        try:
+            ucfg = unet_config_from_diffusers(folder_config, **sizes)
+        except ValueError as e:
+            raise ConfigError(f"model.init_from={cfg.model.init_from}: its UNet cannot be trained here: {e}") from None
+    else:
+        ucfg = unet_config(cfg.model.preset, **sizes)
     if size % ucfg.downsample:
         raise ConfigError(f"model input size {size} is not divisible by {ucfg.downsample}, the downsampling factor "
                           f"of the {cfg.model.preset} UNet")
-    return UNet(ucfg)
+    model = UNet(ucfg)
+    if cfg.model.preset == FOLDER_PRESET:
+        wrong = diffusers_config_mismatch(model.unet, folder_config)
+        if wrong:  # a setting the mapping above lost: refuse rather than train a different network
+            raise ConfigError(f"model.init_from={cfg.model.init_from}: the UNet built differs from the folder's: "
+                              f"{'; '.join(wrong[:4])}")
+    return model
 
 
 def build(cfg: T2IConfig) -> Components:
@@ -87,7 +123,8 @@ def build(cfg: T2IConfig) -> Components:
 
 def signature(cfg: T2IConfig, comp: Components) -> dict:
     """What must match for a checkpoint to load into this run (checked before any tensor is read)."""
-    return {"pipeline": PIPELINE, "model": dataclasses.asdict(comp.model.cfg),
+    model = signature_fields(comp.model.cfg) if isinstance(comp.model, UNet) else dataclasses.asdict(comp.model.cfg)
+    return {"pipeline": PIPELINE, "model": model,
             "text": text_signature(cfg.text),
             "latent": [comp.latent_channels, comp.latent_size]}
 

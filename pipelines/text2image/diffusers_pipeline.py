@@ -41,7 +41,8 @@ from common.diffusion.diffusers_parts import (NUM_TRAIN_TIMESTEPS, SHIM, OpenCLI
 from common.diffusion.pipeline_export import checkpoint_has_ema
 from common.nn.text_encoder import TextEncoder
 from pipelines.text2image.model import DiT, DiTConfig
-from pipelines.text2image.unet import run_unet
+from pipelines.text2image.components import unet_folder
+from pipelines.text2image.unet import diffusers_config_mismatch, run_unet
 
 # diffusers finds a component's load method by the base classes its module exposes by name: this
 # module's ModelMixin import (above) is what makes its wrappers loadable.
@@ -77,7 +78,7 @@ class TextToImagePipeline(ShimmedPipeline):
     def __init__(self, text_encoder, scheduler, transformer: TextToImageDiTModel | None = None,
                  unet: UNet2DConditionModel | None = None, vae: AutoencoderKL | None = None, tokenizer=None,
                  text_max_length: int = 32, unet_pooled_text: bool = False, unet_patch_size: int = 1,
-                 sample_steps: int = 30, sample_guidance: float = 3.0):
+                 unet_text_mask: bool = True, sample_steps: int = 30, sample_guidance: float = 3.0):
         super().__init__()
         if (transformer is None) == (unet is None):
             raise ValueError("TextToImagePipeline needs exactly one denoiser: transformer or unet")
@@ -86,11 +87,13 @@ class TextToImagePipeline(ShimmedPipeline):
         # text_max_length: tokens per caption for a transformers text encoder (the run's
         # text.context_length). The UNet as pipelines/text2image/unet.py runs it: the masked mean
         # of the text tokens as class_labels (unet_pooled_text), inputs space-to-depth by
-        # unet_patch_size (pixel_unshuffle before, pixel_shuffle after).
+        # unet_patch_size (pixel_unshuffle before, pixel_shuffle after), padded caption tokens masked
+        # out of cross-attention unless unet_text_mask is False (Stable Diffusion's own UNets).
         # sample_steps / sample_guidance: the defaults of __call__ (the run's sample.steps / sample.cfg,
         # as sample.py's).
         self.register_to_config(text_max_length=text_max_length, unet_pooled_text=unet_pooled_text,
-                                unet_patch_size=unet_patch_size, sample_steps=sample_steps,
+                                unet_patch_size=unet_patch_size, unet_text_mask=unet_text_mask,
+                                sample_steps=sample_steps,
                                 sample_guidance=sample_guidance)
         factor = 2 ** (len(vae.config.block_out_channels) - 1) if vae is not None else 1
         self.image_processor = VaeImageProcessor(vae_scale_factor=factor, do_normalize=True)
@@ -123,7 +126,7 @@ class TextToImagePipeline(ShimmedPipeline):
         if self.transformer is not None:
             return self.transformer(x, t, ctx, mask, return_dict=False)[0]
         return run_unet(self.unet, x, t.float(), ctx, mask, pooled_text=self.config.unet_pooled_text,
-                        patch_size=self.config.unet_patch_size)
+                        patch_size=self.config.unet_patch_size, text_mask=self.config.unet_text_mask)
 
     # ------------------------------------------------------------------ sampling
     @torch.no_grad()
@@ -183,6 +186,8 @@ def init_from(comp, path: str) -> str:
         raise ConfigError(f"model.init_from={path!r} is not a directory (a run, checkpoint or exported pipeline folder)")
     if os.path.isfile(os.path.join(path, "model_index.json")):
         return _init_from_pipeline(comp, path)
+    if hasattr(comp.model, "unet") and unet_folder(path) == path:
+        return f"{_load_unet(comp, path)} (a UNet folder)"
     from common.checkpoint import load_for_inference, read_meta, resolve_checkpoint
     try:
         ckpt = resolve_checkpoint(path)
@@ -198,6 +203,20 @@ def init_from(comp, path: str) -> str:
     comp.model.train()
     return (f"{'EMA' if ema else 'trained'} weights of {ckpt}"
             + ("" if same_text else " (its text tower differs from this run's: kept this run's)"))
+
+
+def _load_unet(comp, folder: str) -> str:
+    """The weights of the diffusers UNet in `folder` (any file layout diffusers reads: safetensors,
+    sharded, .bin) into the run's UNet, after checking the two are the same architecture."""
+    from common.config import ConfigError
+    with open(os.path.join(folder, "config.json")) as f:
+        wrong = diffusers_config_mismatch(comp.model.unet, json.load(f))
+    if wrong:
+        raise ConfigError(f"model.init_from={folder}: its UNet differs from this run's ({'; '.join(wrong[:4])}); "
+                          "model.preset=folder takes the folder's architecture")
+    source = UNet2DConditionModel.from_pretrained(folder, local_files_only=True, low_cpu_mem_usage=False)
+    comp.model.unet.load_state_dict(source.state_dict())  # strict: a shape or key mismatch names the keys
+    return "unet"
 
 
 def _init_from_pipeline(comp, path: str) -> str:
@@ -227,11 +246,16 @@ def _init_from_pipeline(comp, path: str) -> str:
         comp.model.load_state_dict(weights("transformer", "dit."))
         loaded.append("transformer")
     elif os.path.isdir(os.path.join(path, "unet")) and hasattr(comp.model, "unet"):
-        comp.model.unet.load_state_dict(weights("unet"))  # strict: a shape or key mismatch names the keys
-        loaded.append("unet")
+        loaded.append(_load_unet(comp, os.path.join(path, "unet")))
     else:
         raise ConfigError(f"model.init_from={path}: no transformer/ or unet/ folder for a {type(comp.model).__name__}")
     text_dir = os.path.join(path, "text_encoder")
+    native_text = os.path.isdir(text_dir) and config("text_encoder").get("_class_name") != OpenCLIPTextModel.__name__
+    if native_text and isinstance(comp.text_encoder, TextEncoder):
+        # The denoiser learned that encoder's features; a random open_clip tower would give it noise.
+        raise ConfigError(f"model.init_from={path}: its denoiser was trained with the text encoder in {text_dir} "
+                          f"({config('text_encoder').get('architectures') or config('text_encoder').get('_class_name')}); "
+                          f"set text.hf_path={text_dir} (and text.width to its hidden size)")
     if isinstance(comp.text_encoder, TextEncoder) and os.path.isdir(text_dir) \
             and config("text_encoder").get("_class_name") == OpenCLIPTextModel.__name__:
         c = config("text_encoder")

@@ -41,7 +41,8 @@ def build_pipeline(comp):
         denoiser["transformer"] = TextToImageDiTModel.from_dit(comp.model)
     elif hasattr(comp.model, "unet"):  # pipelines/text2image/unet.py: a native UNet2DConditionModel inside
         denoiser.update(unet=comp.model.unet, unet_pooled_text=bool(comp.model.cfg.pooled_text),
-                        unet_patch_size=int(getattr(comp.model.cfg, "patch_size", 1)))
+                        unet_patch_size=int(getattr(comp.model.cfg, "patch_size", 1)),
+                        unet_text_mask=bool(getattr(comp.model.cfg, "text_mask", True)))
     else:
         raise ConfigError(f"cannot export a {type(comp.model).__name__} as a diffusers pipeline")
     if isinstance(comp.text_encoder, TextEncoder):

@@ -10,6 +10,7 @@ UNet forward:  x -> conv_in -> down blocks (ResNet [+ transformer: self-attn, cr
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +46,12 @@ class UNetConfig:
     # Masked mean of the text tokens added to the timestep embedding (SDXL's pooled text embedding,
     # as the DiT's pooled_text), so every ResNet sees the caption, not only the attention levels.
     pooled_text: bool = True
+    # Padded caption tokens masked out of cross-attention. SD1.x / 2.x were trained attending to all
+    # 77 CLIP positions, padding included, so a UNet read from their folders keeps that (False).
+    text_mask: bool = True
+    # Further UNet2DConditionModel arguments, over those the fields above give: the settings of a
+    # diffusers folder (preset "folder") that they do not cover, e.g. upcast_attention.
+    extra: dict = field(default_factory=dict)
 
     @property
     def levels(self) -> int:
@@ -86,8 +93,110 @@ PARALLEL_LIMITS = {
 }
 
 
+# model.preset=folder: the architecture of the diffusers UNet in model.init_from (unet_config_from_diffusers).
+FOLDER_PRESET = "folder"
+
+
 def unet_config(name: str, **overrides) -> UNetConfig:
     return preset_config(UNetConfig, _PRESETS, name, **overrides)
+
+
+_DOWN_TYPES = {"CrossAttnDownBlock2D": True, "DownBlock2D": False}
+_UP_TYPES = {"CrossAttnUpBlock2D": True, "UpBlock2D": False}
+# Settings whose conditioning this interface (image, timestep, text tokens) cannot supply, with why.
+_UNSUPPORTED = {
+    "addition_embed_type": "it needs added conditioning inputs (SDXL's text_time: pooled CLIP-G text and "
+                           "size / crop ids); model.preset=sdxl is the SDXL-sized UNet this pipeline trains",
+    "encoder_hid_dim": "it projects image or text embeddings through encoder_hid_proj, which this pipeline "
+                       "does not feed",
+    "time_cond_proj_dim": "it needs a guidance-scale embedding (latent consistency models)",
+    "num_class_embeds": "it needs class labels",
+}
+
+
+def unet_config_from_diffusers(config: dict, *, img_size: int, in_channels: int, text_dim: int,
+                               text_len: int) -> UNetConfig:
+    """The UNetConfig of a diffusers UNet2DConditionModel config (its folder's config.json), for a
+    run whose model input is in_channels x img_size^2 and whose text tower is text_dim wide.
+    Raises ValueError, naming the setting, for a UNet this pipeline cannot drive as trained."""
+    import inspect
+
+    from diffusers import UNet2DConditionModel
+    if config.get("_class_name", UNet2DConditionModel.__name__) != UNet2DConditionModel.__name__:
+        raise ValueError(f"it holds a {config['_class_name']}, not a UNet2DConditionModel")
+    params = inspect.signature(UNet2DConditionModel.__init__).parameters
+    given = {k: v for k, v in config.items() if k in params and k != "self"}
+    setting = {k: given.get(k, params[k].default) for k in params if k != "self"}
+    for key, why in _UNSUPPORTED.items():
+        if setting[key] is not None:
+            raise ValueError(f"{key}={setting[key]!r} is not supported: {why}")
+    if setting["in_channels"] != in_channels or setting["out_channels"] != in_channels:
+        raise ValueError(f"it maps {setting['in_channels']} to {setting['out_channels']} channels, while this run's "
+                         f"model input has {in_channels} (pixels: 3; latents: the VAE's channels, vae.path)")
+    if setting["cross_attention_dim"] != text_dim:
+        raise ValueError(f"its cross_attention_dim is {setting['cross_attention_dim']}, while text.width={text_dim} "
+                         "(set text.width, and text.hf_path to the text encoder it was trained with)")
+    pooled = setting["class_embed_type"]
+    if pooled not in (None, "projection") or (pooled and setting["projection_class_embeddings_input_dim"] != text_dim):
+        raise ValueError(f"class_embed_type={pooled!r} is not supported (None, or 'projection' from the text "
+                         f"width {text_dim}: the pooled caption)")
+    down, up = list(setting["down_block_types"]), list(setting["up_block_types"])
+    if any(b not in _DOWN_TYPES for b in down) or [_UP_TYPES.get(b) for b in up] != [_DOWN_TYPES[b] for b in reversed(down)]:
+        raise ValueError(f"block types {down} / {up} are not the SD layout (CrossAttnDownBlock2D / DownBlock2D, "
+                         "mirrored by CrossAttnUpBlock2D / UpBlock2D)")
+    if setting["mid_block_type"] != "UNetMidBlock2DCrossAttn":
+        raise ValueError(f"mid_block_type={setting['mid_block_type']!r} is not supported (UNetMidBlock2DCrossAttn)")
+    n = len(down)
+
+    def per_level(key: str) -> list[int]:
+        v = setting[key]
+        v = [v] * n if isinstance(v, int) else list(v)
+        if len(v) != n or not all(isinstance(x, int) for x in v):
+            raise ValueError(f"{key}={setting[key]!r} is not one int per level")
+        return v
+
+    if setting["reverse_transformer_layers_per_block"] is not None:
+        raise ValueError("reverse_transformer_layers_per_block is not supported")
+    fields = dict(img_size=img_size, in_channels=in_channels, patch_size=1, text_dim=text_dim, text_len=text_len,
+                  channels=per_level("block_out_channels"), attention=[_DOWN_TYPES[b] for b in down],
+                  heads=per_level("attention_head_dim"), transformer_layers=per_level("transformer_layers_per_block"),
+                  layers_per_block=setting["layers_per_block"], norm_groups=setting["norm_num_groups"],
+                  linear_projection=bool(setting["use_linear_projection"]), pooled_text=pooled == "projection",
+                  text_mask=False)
+    if not isinstance(fields["layers_per_block"], int):
+        raise ValueError(f"layers_per_block={fields['layers_per_block']!r} is not one int")
+    built = diffusers_kwargs(UNetConfig(**fields))
+    # Everything else the folder sets away from diffusers' default is passed on as it is, and so are
+    # per-level settings it gives as one int (SD1.x's attention_head_dim=8): the same network, and
+    # the folder's own config.json when the run is exported.
+    extra = {k: v for k, v in given.items()
+             if (k not in built and k != "sample_size" and _plain(v) != _plain(params[k].default))
+             or (k in ("attention_head_dim", "transformer_layers_per_block") and isinstance(v, int))}
+    return UNetConfig(**fields, extra=extra)
+
+
+def _plain(v):
+    """A config value as JSON gives it (tuples are lists), for comparing folder and default settings."""
+    return [_plain(x) for x in v] if isinstance(v, (list, tuple)) else v
+
+
+# Fields added after UNet checkpoints were first written, with their defaults: left out of the
+# checkpoint signature at these values, so that the earlier checkpoints still load.
+_LATER_FIELDS = {"text_mask": True, "extra": {}}
+
+
+def signature_fields(cfg: UNetConfig) -> dict:
+    """The config as checkpoints record it (common.checkpoint compares it before loading)."""
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if not (k in _LATER_FIELDS and v == _LATER_FIELDS[k])}
+
+
+def diffusers_config_mismatch(unet: nn.Module, config: dict) -> list[str]:
+    """The init settings in a folder's `config` that the built `unet` does not have (sample_size,
+    which only sizes sampling defaults, aside): empty when the two are the same architecture."""
+    import inspect
+    params = inspect.signature(type(unet).__init__).parameters
+    return [f"{k}: folder {v!r} vs built {unet.config.get(k)!r}" for k, v in config.items()
+            if k in params and k not in ("self", "sample_size") and _plain(v) != _plain(unet.config.get(k))]
 
 
 def diffusers_kwargs(cfg: UNetConfig) -> dict:
@@ -114,20 +223,21 @@ def diffusers_kwargs(cfg: UNetConfig) -> dict:
               use_linear_projection=cfg.linear_projection)
     if cfg.pooled_text:
         kw.update(class_embed_type="projection", projection_class_embeddings_input_dim=cfg.text_dim)
-    return kw
+    return {**kw, **cfg.extra}
 
 
 def run_unet(unet: nn.Module, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor,
-             context_mask: torch.Tensor | None, *, pooled_text: bool, patch_size: int) -> torch.Tensor:
+             context_mask: torch.Tensor | None, *, pooled_text: bool, patch_size: int,
+             text_mask: bool = True) -> torch.Tensor:
     """A UNet2DConditionModel called as this pipeline trains it (shared with the exported diffusers
     pipeline): timesteps in its units (t * 1000), the masked mean of the text tokens as
-    class_labels when pooled_text, the input space-to-depth by patch_size (pixel_unshuffle
-    before, pixel_shuffle after)."""
+    class_labels when pooled_text, padded tokens masked out of cross-attention when text_mask, the
+    input space-to-depth by patch_size (pixel_unshuffle before, pixel_shuffle after)."""
     context = context.to(x.dtype)
     pooled = masked_mean(context, context_mask) if pooled_text else None
     # diffusers turns the bool mask into an additive bias of -10000 on masked keys: after the
     # softmax their weight underflows to exactly 0 in fp32 and bf16.
-    mask = context_mask.bool() if context_mask is not None else None
+    mask = context_mask.bool() if context_mask is not None and text_mask else None
     p = patch_size
     h = F.pixel_unshuffle(x, p) if p > 1 else x
     h = unet(h, timesteps, encoder_hidden_states=context, encoder_attention_mask=mask, class_labels=pooled,
@@ -181,7 +291,7 @@ class UNet(nn.Module):
             raise ValueError(f"UNet input {tuple(x.shape[-2:])} is not divisible by its downsampling "
                              f"factor {self.cfg.downsample}")
         return run_unet(self.unet, x, t.to(torch.float32) * TIME_SCALE, context, context_mask,
-                        pooled_text=self.cfg.pooled_text, patch_size=self.cfg.patch_size)
+                        pooled_text=self.cfg.pooled_text, patch_size=self.cfg.patch_size, text_mask=self.cfg.text_mask)
 
     def flops_per_sample(self, height: int | None = None, width: int | None = None,
                          text_len: int | None = None) -> int:

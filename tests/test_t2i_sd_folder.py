@@ -1,0 +1,178 @@
+"""Fine-tuning a Stable-Diffusion-style UNet from a local diffusers folder: model.preset=folder
+builds the folder's exact UNet2DConditionModel (settings the presets do not have included) and
+model.init_from loads its weights; SD's scaled_linear betas; SD's unmasked cross-attention over
+padded caption tokens; the trained run exports and samples as sample.py does; folders the
+pipeline cannot drive are refused with the setting named."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, run_checked, run_module, train_cmd
+from tests.test_t2i_diffusers import FAST, assert_same_images, make_clip
+
+WIDTH, CONTEXT = 32, 16
+# A small UNet unlike every preset: two levels, attention at the first only, one int for the
+# heads (SD1.x's form), linear projections, and settings the presets leave at diffusers'
+# defaults (upcast_attention as SD2.1's folder sets it, scale-shift time conditioning).
+UNET_KWARGS = dict(sample_size=8, in_channels=3, out_channels=3, block_out_channels=(16, 32),
+                   down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                   up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), layers_per_block=1, norm_num_groups=8,
+                   attention_head_dim=2, cross_attention_dim=WIDTH, use_linear_projection=True,
+                   upcast_attention=True, resnet_time_scale_shift="scale_shift")
+
+# Stable Diffusion 1.x's and 2.x's UNet settings (their unet/config.json, minus bookkeeping keys).
+SD15 = dict(act_fn="silu", attention_head_dim=8, block_out_channels=[320, 640, 1280, 1280], center_input_sample=False,
+            cross_attention_dim=768, down_block_types=["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
+            downsample_padding=1, flip_sin_to_cos=True, freq_shift=0, in_channels=4, layers_per_block=2,
+            mid_block_scale_factor=1, norm_eps=1e-05, norm_num_groups=32, out_channels=4, sample_size=64,
+            up_block_types=["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3)
+SD21 = dict(SD15, attention_head_dim=[5, 10, 20, 20], cross_attention_dim=1024, use_linear_projection=True,
+            upcast_attention=True, sample_size=96, dual_cross_attention=False, class_embed_type=None,
+            num_class_embeds=None, only_cross_attention=False)
+
+
+def make_sd_folder(folder: str) -> None:
+    """A diffusers pipeline folder as Stable Diffusion's is laid out: model_index.json, unet/ (random
+    weights, the conv_out too, so that a load that silently kept the run's init would show), and
+    text_encoder/ + tokenizer/ (a tiny CLIP)."""
+    from diffusers import UNet2DConditionModel
+    torch.manual_seed(3)
+    UNet2DConditionModel(**UNET_KWARGS).save_pretrained(os.path.join(folder, "unet"))
+    make_clip(os.path.join(folder, "text_encoder"), width=WIDTH, positions=CONTEXT)
+    os.rename(os.path.join(folder, "text_encoder", "vocab.json"), os.path.join(folder, "vocab.json"))
+    os.makedirs(os.path.join(folder, "tokenizer"))
+    for name in os.listdir(os.path.join(folder, "text_encoder")):
+        if name.startswith(("tokenizer", "special_tokens", "merges")):
+            os.rename(os.path.join(folder, "text_encoder", name), os.path.join(folder, "tokenizer", name))
+    os.rename(os.path.join(folder, "vocab.json"), os.path.join(folder, "tokenizer", "vocab.json"))
+    json.dump({"_class_name": "StableDiffusionPipeline", "unet": ["diffusers", "UNet2DConditionModel"],
+               "text_encoder": ["transformers", "CLIPTextModel"], "tokenizer": ["transformers", "CLIPTokenizer"]},
+              open(os.path.join(folder, "model_index.json"), "w"))
+
+
+@pytest.fixture(scope="module")
+def sd_folder(tmp_path_factory) -> str:
+    folder = str(tmp_path_factory.mktemp("sd") / "sd")
+    make_sd_folder(folder)
+    return folder
+
+
+def folder_cfg(sd_folder: str, *overrides: str):
+    from common.config import build_config
+    from pipelines.text2image.config import T2IConfig
+    return build_config(T2IConfig, os.path.join(ROOT, "pipelines/text2image/configs/tiny_unet.yaml"), [
+        "model.preset=folder", f"model.init_from={sd_folder}", "model.image_size=16",
+        f"text.hf_path={sd_folder}/text_encoder", f"text.width={WIDTH}", f"text.context_length={CONTEXT}",
+        "diffusion.objective=ddpm", "diffusion.ddpm_schedule=scaled_linear", *overrides])
+
+
+@pytest.mark.parametrize("config", [SD15, SD21], ids=["sd15", "sd21"])
+def test_sd_configs_map_to_the_same_unet(config):
+    """Stable Diffusion 1.x / 2.x settings give back exactly their UNet (built on the meta device:
+    no memory, no weights)."""
+    from diffusers import UNet2DConditionModel
+
+    from pipelines.text2image.unet import diffusers_config_mismatch, diffusers_kwargs, unet_config_from_diffusers
+    ucfg = unet_config_from_diffusers(config, img_size=64, in_channels=4, text_dim=config["cross_attention_dim"],
+                                      text_len=77)
+    assert not ucfg.text_mask and ucfg.patch_size == 1 and not ucfg.pooled_text
+    with torch.device("meta"):
+        unet = UNet2DConditionModel(**diffusers_kwargs(ucfg))
+    assert diffusers_config_mismatch(unet, config) == []
+    with torch.device("meta"):  # the check that guards the mapping can fail: drop one extra setting
+        lost = UNet2DConditionModel(**{k: v for k, v in diffusers_kwargs(ucfg).items() if k != "upcast_attention"})
+    assert diffusers_config_mismatch(lost, config) == ([] if config is SD15 else
+                                                       ["upcast_attention: folder True vs built False"])
+
+
+def test_folder_unet_loads_and_runs_as_diffusers_does(sd_folder):
+    """model.preset=folder: the run's UNet is the folder's, weight for weight, and the run's forward
+    (t in [0, 1], caption tokens with padding) equals diffusers' own call of that UNet with SD's
+    conditioning: t * 1000 and all caption positions attended."""
+    from diffusers import UNet2DConditionModel
+
+    from pipelines.text2image import components
+    from pipelines.text2image.diffusers_pipeline import init_from
+    comp = components.build(folder_cfg(sd_folder))
+    assert comp.model.cfg.extra == {"upcast_attention": True, "resnet_time_scale_shift": "scale_shift",
+                                    "attention_head_dim": 2, "transformer_layers_per_block": 1}
+    assert "unet" in init_from(comp, sd_folder)
+    theirs = UNet2DConditionModel.from_pretrained(os.path.join(sd_folder, "unet")).eval()
+    ours = comp.model.eval()
+    for k, v in theirs.state_dict().items():
+        assert torch.equal(ours.unet.state_dict()[k], v), k
+    torch.manual_seed(0)
+    x, t = torch.randn(2, 3, 16, 16), torch.tensor([0.25, 0.9])
+    ctx, mask = comp.text_encoder(["a red circle", "a blue square"])
+    assert not mask.all()  # padded positions exist, so masking them would change the output
+    with torch.no_grad():
+        got = ours(x, t, ctx, mask)
+        ref = theirs(x, t * 1000, encoder_hidden_states=ctx).sample
+        masked = theirs(x, t * 1000, encoder_hidden_states=ctx, encoder_attention_mask=mask).sample
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert (masked - ref).abs().max() > 1e-4
+    # The bare unet/ folder (no model_index.json) is read the same way.
+    bare = components.build(folder_cfg(sd_folder, f"model.init_from={sd_folder}/unet"))
+    assert "UNet folder" in init_from(bare, os.path.join(sd_folder, "unet"))
+    for k, v in theirs.state_dict().items():
+        assert torch.equal(bare.model.unet.state_dict()[k], v), k
+
+
+def test_folder_unet_refusals(sd_folder, tmp_path):
+    from common.config import ConfigError
+    from pipelines.text2image import components
+    from pipelines.text2image.diffusers_pipeline import init_from
+    from pipelines.text2image.unet import unet_config_from_diffusers
+    sizes = dict(img_size=64, in_channels=4, text_dim=768, text_len=77)
+    for change, named in [({"addition_embed_type": "text_time"}, "addition_embed_type='text_time'"),
+                          ({"in_channels": 9}, "9 to 4 channels"),
+                          ({"cross_attention_dim": 1024}, "text.width=768"),
+                          ({"down_block_types": ["AttnDownBlock2D"] + SD15["down_block_types"][1:]}, "SD layout"),
+                          ({"class_embed_type": "timestep"}, "class_embed_type='timestep'")]:
+        with pytest.raises(ValueError, match=named.replace("(", r"\(").replace("[", r"\[")):
+            unet_config_from_diffusers(dict(SD15, **change), **sizes)
+    with pytest.raises(ConfigError, match="model.preset=folder takes"):
+        folder_cfg(sd_folder, "model.init_from=''")
+    with pytest.raises(ConfigError, match="holds no UNet2DConditionModel"):
+        components.build(folder_cfg(sd_folder, f"model.init_from={tmp_path}"))
+    with pytest.raises(ConfigError, match=f"cross_attention_dim is {WIDTH}, while text.width=48"):
+        components.build(folder_cfg(sd_folder, "text.width=48", "text.hf_path=''"))
+    # A preset run pointed at the folder: the architectures differ, and preset=folder is suggested.
+    preset = components.build(folder_cfg(sd_folder, "model.preset=tiny"))
+    with pytest.raises(ConfigError, match="model.preset=folder takes the folder's architecture"):
+        init_from(preset, sd_folder)
+    # The folder's UNet learned its CLIP's features: a run on the random open_clip tower is refused.
+    clipless = components.build(folder_cfg(sd_folder, "text.hf_path=''"))
+    with pytest.raises(ConfigError, match=f"set text.hf_path={sd_folder}/text_encoder"):
+        init_from(clipless, sd_folder)
+
+
+def test_fine_tune_folder_unet_exports_and_samples(sd_folder, synth_data, tmp_path):
+    """Three DDPM steps on SD's betas from the folder's weights, then the export: its scheduler holds
+    the scaled_linear betas, its UNet attends to padded positions as the run did, and it draws what
+    sample.py draws."""
+    from diffusers import DDPMScheduler, DiffusionPipeline
+
+    from common.run import load_run
+    from pipelines.text2image.spec import SPEC
+    run, out = str(tmp_path / "run"), str(tmp_path / "export")
+    data = synth_data
+    run_checked(train_cmd() + [
+        "--config", os.path.join(ROOT, "pipelines/text2image/configs/tiny_unet.yaml"), f"run.dir={run}",
+        f"data.train_shards={data}/train", f"data.eval_shards={data}/heldout", "model.preset=folder",
+        f"model.init_from={sd_folder}", "model.image_size=16", f"text.hf_path={sd_folder}/text_encoder",
+        f"text.width={WIDTH}", f"text.context_length={CONTEXT}", "diffusion.objective=ddpm",
+        "diffusion.ddpm_schedule=scaled_linear", "train.progress=false", "data.num_workers=0", *FAST])
+    proc = run_module("pipelines.text2image.export", "--run", run, "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    comp, _ = load_run(SPEC, run)
+    pipe = DiffusionPipeline.from_pretrained(out, trust_remote_code=True)
+    assert pipe.config.unet_text_mask is False and pipe.unet.config.upcast_attention
+    sd = DDPMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear")
+    torch.testing.assert_close(pipe.scheduler.alphas_cumprod, sd.alphas_cumprod, rtol=1e-5, atol=1e-6)
+    assert_same_images(pipe, comp)
+
