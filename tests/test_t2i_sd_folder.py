@@ -176,3 +176,51 @@ def test_fine_tune_folder_unet_exports_and_samples(sd_folder, synth_data, tmp_pa
     torch.testing.assert_close(pipe.scheduler.alphas_cumprod, sd.alphas_cumprod, rtol=1e-5, atol=1e-6)
     assert_same_images(pipe, comp)
 
+
+
+def test_weights_variant_names(tmp_path):
+    from common.hf_folders import weights_variant
+    cases = [(["diffusion_pytorch_model.fp16.safetensors"], "fp16"),
+             (["diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.fp16.safetensors"], None),
+             (["model.fp16.safetensors"], "fp16"), (["pytorch_model.bin"], None),
+             (["diffusion_pytorch_model-00001-of-00002.fp16.safetensors",
+               "diffusion_pytorch_model-00002-of-00002.fp16.safetensors",
+               "diffusion_pytorch_model.safetensors.index.fp16.json"], "fp16"),
+             (["model-00001-of-00002.safetensors", "model.safetensors.index.json"], None),
+             (["model.fp16.safetensors", "model.ema.safetensors"], None), (["notes.fp16.safetensors"], None)]
+    for i, (names, variant) in enumerate(cases):
+        d = tmp_path / str(i)
+        d.mkdir()
+        for n in ["config.json", *names]:
+            (d / n).write_text("")
+        assert weights_variant(str(d)) == variant, names
+
+
+def test_fp16_variant_folder_loads_in_fp32(sd_folder, tmp_path):
+    """A Stable Diffusion folder that holds only fp16 weight files (unet, vae, text_encoder:
+    `*.fp16.safetensors`) is read: each component in fp32, equal to the fp16 weights."""
+    import shutil
+
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextModel
+
+    from pipelines.text2image import components
+    from pipelines.text2image.diffusers_pipeline import init_from
+    half = str(tmp_path / "sd_fp16")
+    shutil.copytree(sd_folder, half, ignore=shutil.ignore_patterns("*.safetensors"))
+    unet = UNet2DConditionModel.from_pretrained(os.path.join(sd_folder, "unet")).half()
+    unet.save_pretrained(os.path.join(half, "unet"), variant="fp16")
+    CLIPTextModel.from_pretrained(os.path.join(sd_folder, "text_encoder")).half().save_pretrained(
+        os.path.join(half, "text_encoder"), variant="fp16")
+    torch.manual_seed(0)
+    AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+                  up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
+                  latent_channels=3, norm_num_groups=8).half().save_pretrained(os.path.join(half, "vae"), variant="fp16")
+    assert not any(f.endswith(".safetensors") and ".fp16." not in f for _, _, fs in os.walk(half) for f in fs)
+    comp = components.build(folder_cfg(half, f"text.hf_path={half}/text_encoder", f"vae.path={half}/vae",
+                                       "model.image_size=32"))
+    assert "unet" in init_from(comp, half)
+    for module in (comp.model, comp.text_encoder, comp.vae):
+        assert all(p.dtype == torch.float32 for p in module.parameters())
+    for k, v in unet.state_dict().items():
+        assert torch.equal(comp.model.unet.state_dict()[k], v.float()), k

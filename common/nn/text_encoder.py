@@ -155,6 +155,7 @@ class HFTextEncoder(nn.Module):
 
         import transformers
         from common.config import ConfigError
+        from common.hf_folders import weights_variant
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ConfigError(f"text.hf_path={path!r} is not a Hugging Face model folder (no config.json)")
         config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
@@ -163,7 +164,8 @@ class HFTextEncoder(nn.Module):
             raise ConfigError(f"text.hf_path={path!r} holds a {config.model_type!r} model; supported text encoders: "
                               f"{', '.join(sorted(_HF_TEXT_MODELS))}")
         # fp32 whatever the folder's dtype (the pipeline's precision policy casts activations).
-        self.model = getattr(transformers, cls_name).from_pretrained(path, local_files_only=True, dtype=torch.float32)
+        self.model = getattr(transformers, cls_name).from_pretrained(path, local_files_only=True, dtype=torch.float32,
+                                                                     variant=weights_variant(path))
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(hf_tokenizer_dir(path), local_files_only=True)
         limit = getattr(self.model.config, "max_position_embeddings", None)  # CLIP: learned positions
         if limit is not None and context_length > limit:

@@ -15,6 +15,7 @@ from common.config import ConfigError
 from common.data.images import save_grid
 from common.diffusion import noise as dnoise
 from common.diffusion import text_conditioned as tc
+from common.hf_folders import weights_variant
 from common.nn.text_encoder import build_text_encoder, text_signature
 from pipelines.text2image.config import T2IConfig
 from pipelines.text2image.model import DiT, dit_config
@@ -50,7 +51,9 @@ def load_vae(cfg: T2IConfig):
     if not os.path.isdir(cfg.vae.path):
         raise ConfigError(f"vae.path={cfg.vae.path!r} is not a directory (a diffusers AutoencoderKL folder)")
     from diffusers import AutoencoderKL
-    vae = AutoencoderKL.from_pretrained(cfg.vae.path).eval().requires_grad_(False)
+    vae = AutoencoderKL.from_pretrained(cfg.vae.path, local_files_only=True, low_cpu_mem_usage=False,
+                                        variant=weights_variant(cfg.vae.path), torch_dtype=torch.float32)
+    vae = vae.eval().requires_grad_(False)
     factor = 2 ** (len(vae.config.block_out_channels) - 1)
     if cfg.model.image_size % factor:
         raise ConfigError(f"model.image_size={cfg.model.image_size} is not divisible by the VAE's downsampling factor {factor}")

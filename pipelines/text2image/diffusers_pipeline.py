@@ -39,6 +39,7 @@ from common.diffusion.diffusers_parts import (NUM_TRAIN_TIMESTEPS, SHIM, OpenCLI
                                               WrappedDiT, encode_captions, scheduler_for, seeded_noise,
                                               set_sampler_timesteps)
 from common.diffusion.pipeline_export import checkpoint_has_ema
+from common.hf_folders import weights_variant
 from common.nn.text_encoder import TextEncoder
 from pipelines.text2image.model import DiT, DiTConfig
 from pipelines.text2image.components import unet_folder
@@ -207,14 +208,16 @@ def init_from(comp, path: str) -> str:
 
 def _load_unet(comp, folder: str) -> str:
     """The weights of the diffusers UNet in `folder` (any file layout diffusers reads: safetensors,
-    sharded, .bin) into the run's UNet, after checking the two are the same architecture."""
+    sharded, .bin, or one precision variant such as SD's fp16 files, cast to fp32) into the run's
+    UNet, after checking the two are the same architecture."""
     from common.config import ConfigError
     with open(os.path.join(folder, "config.json")) as f:
         wrong = diffusers_config_mismatch(comp.model.unet, json.load(f))
     if wrong:
         raise ConfigError(f"model.init_from={folder}: its UNet differs from this run's ({'; '.join(wrong[:4])}); "
                           "model.preset=folder takes the folder's architecture")
-    source = UNet2DConditionModel.from_pretrained(folder, local_files_only=True, low_cpu_mem_usage=False)
+    source = UNet2DConditionModel.from_pretrained(folder, local_files_only=True, low_cpu_mem_usage=False,
+                                                  variant=weights_variant(folder), torch_dtype=torch.float32)
     comp.model.unet.load_state_dict(source.state_dict())  # strict: a shape or key mismatch names the keys
     return "unet"
 

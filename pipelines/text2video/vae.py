@@ -30,6 +30,7 @@ import os
 import torch
 
 from common.config import ConfigError
+from common.hf_folders import weights_variant
 
 CLASSES = {"AutoencoderKLWan": "wan", "AutoencoderKLCogVideoX": "cogvideox", "AutoencoderKL": "image"}
 KINDS = ("auto", "wan", "cogvideox", "image")
@@ -65,7 +66,9 @@ class VideoVae:
         import diffusers
         cls = getattr(diffusers, {v: k for k, v in CLASSES.items()}[self.kind])
         try:
-            self.vae = cls.from_pretrained(path).eval().requires_grad_(False)
+            self.vae = cls.from_pretrained(path, local_files_only=True, low_cpu_mem_usage=False,
+                                           variant=weights_variant(path), torch_dtype=torch.float32)
+            self.vae = self.vae.eval().requires_grad_(False)
         except Exception as e:  # a folder of another class, missing weights, ...
             raise ConfigError(f"vae.path={path!r}: cannot load it as {cls.__name__} ({type(e).__name__}: {e})") from None
         c = self.vae.config
