@@ -162,6 +162,9 @@ class TextConfig:
                            "with its tokenizer, as save_pretrained writes them) used frozen instead of the open_clip "
                            "tower; text.width must equal its hidden size; layers, heads, weights and layer_scale are "
                            "then unused")
+    hf_padding_mask: bool = doc(True, "text.hf_path: run the encoder with the padding mask. False: on the padded ids "
+                                      "unmasked, as Stable Diffusion 1.x / 2.x computed their CLIP features (their "
+                                      "UNets learned the padding positions' features too)")
 
 
 @dataclass

@@ -91,6 +91,7 @@ def test_sd15_finetune_config_is_sd_fine_tuning():
     from tests.conftest import ROOT
     cfg = build_config(T2IConfig, os.path.join(ROOT, "pipelines/text2image/configs/sd15_finetune.yaml"), [])
     assert (cfg.model.arch, cfg.model.preset, cfg.text.width, cfg.text.context_length) == ("unet", "folder", 768, 77)
+    assert not cfg.text.hf_padding_mask
     objective = objective_from_config(cfg.diffusion)
     assert isinstance(objective, DDPM) and objective.prediction == "eps"
     assert abs(objective.betas[0].item() - 0.00085) < 1e-12 and abs(objective.betas[-1].item() - 0.012) < 1e-12

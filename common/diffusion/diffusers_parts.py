@@ -20,6 +20,7 @@ import torch
 from diffusers import DiffusionPipeline, DPMSolverMultistepScheduler, FlowMatchEulerDiscreteScheduler, ModelMixin
 from diffusers.configuration_utils import ConfigMixin, register_to_config
 
+from common.diffusion.samplers import ddim_timesteps
 from common.nn.text_encoder import TextEncoder, TextEncoderConfig, hf_text_features
 
 __all__ = ["NUM_TRAIN_TIMESTEPS", "SHIM", "ModelMixin", "OpenCLIPTextModel", "ShimmedPipeline", "WrappedDiT",
@@ -80,13 +81,15 @@ class OpenCLIPTextModel(ModelMixin, ConfigMixin):
         return self.encoder(texts)
 
 
-def encode_captions(text_encoder, tokenizer, prompts: list[str], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_captions(text_encoder, tokenizer, prompts: list[str], max_length: int,
+                    padding_mask: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens (B, L, width), mask (B, L) bool) of a pipeline's text tower, as the training run's
     gives them: an OpenCLIPTextModel tokenizes itself (tokenizer None), a transformers encoder gets
-    its tokenizer's ids padded / truncated to max_length (the run's text.context_length)."""
+    its tokenizer's ids padded / truncated to max_length (the run's text.context_length), with the
+    padding mask unless padding_mask is False (the run's text.hf_padding_mask)."""
     if tokenizer is None:
         return text_encoder(list(prompts))
-    return hf_text_features(text_encoder, tokenizer, list(prompts), max_length)
+    return hf_text_features(text_encoder, tokenizer, list(prompts), max_length, padding_mask)
 
 
 # ---------------------------------------------------------------------- sampling
@@ -115,8 +118,8 @@ def set_sampler_timesteps(scheduler, num_inference_steps: int, device) -> None:
     if isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
         scheduler.set_timesteps(sigmas=np.linspace(1.0, 0.0, num_inference_steps + 1)[:-1].tolist(), device=device)
     else:
-        steps = torch.linspace(scheduler.config.num_train_timesteps - 1, 0, num_inference_steps).round().long()
-        scheduler.set_timesteps(timesteps=steps.tolist(), device=device)
+        scheduler.set_timesteps(timesteps=ddim_timesteps(scheduler.config.num_train_timesteps, num_inference_steps),
+                                device=device)
     scheduler.set_begin_index(0)
 
 

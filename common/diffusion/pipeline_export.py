@@ -71,12 +71,13 @@ def save_folder(pipe, out: str, texts: dict[str, str]) -> None:
 
 
 def export_main(argv, *, prog: str, doc: str, load_spec: Callable, build_pipeline: Callable,
-                model_card: Callable, summary: Callable) -> int:
+                model_card: Callable, summary: Callable, add_options: Callable | None = None) -> int:
     """An export command: parse --run/--out/--checkpoint/--weights/--overwrite, check them before
     anything heavy is imported, load the run's checkpoint (EMA or trained weights), build the
-    pipeline (build_pipeline(comp)), write it with the run's config.yaml and a model card
+    pipeline (build_pipeline(comp, **options)), write it with the run's config.yaml and a model card
     (model_card(comp, meta, ckpt, weights, pipe, run) -> markdown) and print one line
-    (summary(comp, pipe): what the folder holds). load_spec() returns the pipeline's PipelineSpec."""
+    (summary(comp, pipe): what the folder holds). load_spec() returns the pipeline's PipelineSpec.
+    add_options(parser) -> [dest, ...]: a pipeline's own options, passed to build_pipeline by name."""
     from common.run import load_run
     p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", required=True, help="run directory (config.yaml and checkpoints/)")
@@ -85,6 +86,7 @@ def export_main(argv, *, prog: str, doc: str, load_spec: Callable, build_pipelin
     p.add_argument("--weights", choices=("ema", "trained"), default="ema",
                    help="ema (default): the checkpoint's EMA copy, or the trained weights where it has none")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
+    option_names = add_options(p) if add_options is not None else []
     args = p.parse_args(argv)
     ckpt = resolve_run_checkpoint(args.run, args.checkpoint)
     out = os.path.normpath(args.out)
@@ -94,11 +96,12 @@ def export_main(argv, *, prog: str, doc: str, load_spec: Callable, build_pipelin
     use_ema = args.weights == "ema" and has_ema
     comp, meta = load_run(load_spec(), args.run, ckpt, use_ema=use_ema)
     weights = describe_weights(use_ema, has_ema, comp.cfg.train.ema_decay)
-    pipe = build_pipeline(comp)
+    pipe = build_pipeline(comp, **{name: getattr(args, name) for name in option_names})
     with open(os.path.join(args.run, "config.yaml")) as f:
         training_config = f.read()
     save_folder(pipe, out, {"training_config.yaml": training_config,
                             "README.md": model_card(comp, meta, ckpt, weights, pipe, args.run)})
+    remote = not type(pipe).__module__.startswith("diffusers.")  # this project's pipeline: the folder's shim loads it
     print(f"exported {ckpt} (step {meta['step']}, {weights}) to {out}: {summary(comp, pipe)}; load with "
-          f"DiffusionPipeline.from_pretrained({out!r}, trust_remote_code=True)")
+          f"DiffusionPipeline.from_pretrained({out!r}{', trust_remote_code=True' if remote else ''})")
     return 0

@@ -60,6 +60,11 @@ def euler_sample(model_fn: Callable, shape, cond=None, *, num_steps: int = 50, s
     return x
 
 
+def ddim_timesteps(num_timesteps: int, num_steps: int) -> list[int]:
+    """The DDPM timesteps DDIM visits, from T - 1 down to 0 (also what exported pipelines set)."""
+    return torch.linspace(num_timesteps - 1, 0, num_steps).round().long().tolist()
+
+
 @torch.no_grad()
 def ddim_sample(model_fn: Callable, ddpm: DDPM, shape, cond=None, *, num_steps: int = 50, eta: float = 0.0,
                 uncond=None, guidance: float = 1.0, generator: torch.Generator | None = None,
@@ -67,7 +72,7 @@ def ddim_sample(model_fn: Callable, ddpm: DDPM, shape, cond=None, *, num_steps: 
     """DDIM (Song et al. 2021); eta = 0 deterministic, eta = 1 ancestral-like. Guidance is
     applied to the raw model output (eps or v), which is linear in both."""
     x = _initial_noise(shape, noise, generator, device, dtype)
-    steps = torch.linspace(ddpm.num_timesteps - 1, 0, num_steps).round().long().tolist()
+    steps = ddim_timesteps(ddpm.num_timesteps, num_steps)
     ab = ddpm.alphas_cumprod
     for i, t_int in enumerate(steps):
         t = torch.full((x.shape[0],), t_int, dtype=torch.long, device=x.device)

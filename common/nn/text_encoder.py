@@ -132,15 +132,17 @@ def hf_tokenize(tokenizer, texts: list[str], context_length: int) -> dict:
                      return_tensors="pt")
 
 
-def hf_text_features(model, tokenizer, texts: list[str], context_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+def hf_text_features(model, tokenizer, texts: list[str], context_length: int,
+                     padding_mask: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(last hidden state (B, L, width), mask (B, L) bool) of a transformers text encoder, captions
-    padded / truncated to exactly `context_length` tokens. Shared by HFTextEncoder and the
-    exported diffusers pipeline, so both encode a caption the same way."""
+    padded / truncated to exactly `context_length` tokens; the encoder sees the mask when
+    padding_mask (else the padded ids alone, as Stable Diffusion's CLIP does). Shared by
+    HFTextEncoder and the exported diffusers pipeline, so both encode a caption the same way."""
     enc = hf_tokenize(tokenizer, texts, context_length)
     device = next(model.parameters()).device
     ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
     with torch.no_grad():
-        tokens = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        tokens = model(input_ids=ids, attention_mask=mask if padding_mask else None).last_hidden_state
     return tokens, mask.bool()
 
 
@@ -149,7 +151,7 @@ class HFTextEncoder(nn.Module):
     (or a `tokenizer` folder beside it), behind TextEncoder's interface. Its weights are those of
     the folder; a run saves them in its checkpoints like the open_clip tower's."""
 
-    def __init__(self, path: str, context_length: int):
+    def __init__(self, path: str, context_length: int, padding_mask: bool = True):
         super().__init__()
         import os
 
@@ -171,7 +173,7 @@ class HFTextEncoder(nn.Module):
         if limit is not None and context_length > limit:
             raise ConfigError(f"text.context_length={context_length} exceeds the {limit} positions of the text encoder "
                               f"at {path}")
-        self.path, self.context_length = path, context_length
+        self.path, self.context_length, self.padding_mask = path, context_length, padding_mask
         self.requires_grad_(False)
         self.eval()
 
@@ -188,7 +190,7 @@ class HFTextEncoder(nn.Module):
     @torch.no_grad()
     def forward(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (tokens (B, L, width), key_padding_mask (B, L) bool, True = real token incl. BOS/EOS)."""
-        return hf_text_features(self.model, self.tokenizer, texts, self.context_length)
+        return hf_text_features(self.model, self.tokenizer, texts, self.context_length, self.padding_mask)
 
 
 def build_text_encoder(text_cfg, run_seed: int) -> TextEncoder | HFTextEncoder:
@@ -198,7 +200,7 @@ def build_text_encoder(text_cfg, run_seed: int) -> TextEncoder | HFTextEncoder:
     from common.diffusion.noise import mix_seed
     if getattr(text_cfg, "hf_path", ""):
         from common.config import ConfigError
-        enc = HFTextEncoder(text_cfg.hf_path, text_cfg.context_length)
+        enc = HFTextEncoder(text_cfg.hf_path, text_cfg.context_length, getattr(text_cfg, "hf_padding_mask", True))
         if enc.width != text_cfg.width:
             raise ConfigError(f"text.width={text_cfg.width} but the text encoder at {text_cfg.hf_path} has width "
                               f"{enc.width}; set text.width={enc.width}")
@@ -213,8 +215,8 @@ def build_text_encoder(text_cfg, run_seed: int) -> TextEncoder | HFTextEncoder:
 
 def text_signature(text_cfg) -> dict:
     """The `text` part of a checkpoint's signature: the tower's shape. The weights file is left
-    out (its tensors are saved with the checkpoint), and so is an unset hf_path, so that
-    checkpoints written before the field existed still load."""
+    out (its tensors are saved with the checkpoint), and so are an unset hf_path and the default
+    hf_padding_mask, so that checkpoints written before those fields existed still load."""
     import dataclasses
     return {k: v for k, v in dataclasses.asdict(text_cfg).items()
-            if k != "weights" and not (k == "hf_path" and not v)}
+            if k != "weights" and not (k == "hf_path" and not v) and not (k == "hf_padding_mask" and v)}

@@ -79,14 +79,15 @@ class TextToImagePipeline(ShimmedPipeline):
     def __init__(self, text_encoder, scheduler, transformer: TextToImageDiTModel | None = None,
                  unet: UNet2DConditionModel | None = None, vae: AutoencoderKL | None = None, tokenizer=None,
                  text_max_length: int = 32, unet_pooled_text: bool = False, unet_patch_size: int = 1,
-                 unet_text_mask: bool = True, sample_steps: int = 30, sample_guidance: float = 3.0):
+                 unet_text_mask: bool = True, text_padding_mask: bool = True, sample_steps: int = 30,
+                 sample_guidance: float = 3.0):
         super().__init__()
         if (transformer is None) == (unet is None):
             raise ValueError("TextToImagePipeline needs exactly one denoiser: transformer or unet")
         self.register_modules(transformer=transformer, unet=unet, text_encoder=text_encoder, tokenizer=tokenizer,
                               vae=vae, scheduler=scheduler)
         # text_max_length: tokens per caption for a transformers text encoder (the run's
-        # text.context_length). The UNet as pipelines/text2image/unet.py runs it: the masked mean
+        # text.context_length); text_padding_mask: whether it sees the padding mask (text.hf_padding_mask). The UNet as pipelines/text2image/unet.py runs it: the masked mean
         # of the text tokens as class_labels (unet_pooled_text), inputs space-to-depth by
         # unet_patch_size (pixel_unshuffle before, pixel_shuffle after), padded caption tokens masked
         # out of cross-attention unless unet_text_mask is False (Stable Diffusion's own UNets).
@@ -94,7 +95,7 @@ class TextToImagePipeline(ShimmedPipeline):
         # as sample.py's).
         self.register_to_config(text_max_length=text_max_length, unet_pooled_text=unet_pooled_text,
                                 unet_patch_size=unet_patch_size, unet_text_mask=unet_text_mask,
-                                sample_steps=sample_steps,
+                                text_padding_mask=text_padding_mask, sample_steps=sample_steps,
                                 sample_guidance=sample_guidance)
         factor = 2 ** (len(vae.config.block_out_channels) - 1) if vae is not None else 1
         self.image_processor = VaeImageProcessor(vae_scale_factor=factor, do_normalize=True)
@@ -116,7 +117,8 @@ class TextToImagePipeline(ShimmedPipeline):
 
     def encode_prompt(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens (B, L, width), mask (B, L) bool), as the training run's text tower gives them."""
-        return encode_captions(self.text_encoder, self.tokenizer, prompts, self.config.text_max_length)
+        return encode_captions(self.text_encoder, self.tokenizer, prompts, self.config.text_max_length,
+                               self.config.text_padding_mask)
 
     def set_timesteps(self, num_inference_steps: int, device) -> None:
         """The steps of common.diffusion.samplers (diffusers_parts.set_sampler_timesteps)."""

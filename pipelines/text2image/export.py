@@ -2,7 +2,7 @@
 checkpoint has them).
 
   python -m pipelines.text2image.export --run RUN_DIR --out DIR [--checkpoint CKPT]
-         [--weights ema|trained] [--overwrite]
+         [--weights ema|trained] [--overwrite] [--pipeline project|stable_diffusion]
 
 The folder loads with the project installed (pip install -e <repo>):
 
@@ -19,6 +19,10 @@ native UNet2DConditionModel), text_encoder (the open_clip tower; or the native t
 encoder and its tokenizer of text.hf_path), vae (native AutoencoderKL, latent runs) and a native
 scheduler (FlowMatchEulerDiscreteScheduler with the run's shift, or DPMSolverMultistepScheduler of
 order 1 = DDIM for DDPM runs). README.md in the folder says which weights and checkpoint it holds.
+
+--pipeline stable_diffusion writes diffusers' own StableDiffusionPipeline instead (no project code
+needed to load it), for a run conditioned as Stable Diffusion is (an SD UNet fine-tuned with
+configs/sd15_finetune.yaml): `StableDiffusionPipeline.from_pretrained(DIR)`.
 """
 from __future__ import annotations
 
@@ -28,11 +32,68 @@ from common.cli import run_cli
 from common.config import ConfigError
 from common.diffusion import RectifiedFlow
 from common.diffusion.pipeline_export import export_main
+from common.diffusion.samplers import ddim_timesteps
 from common.nn.text_encoder import TextEncoder
 
 
-def build_pipeline(comp):
-    """A TextToImagePipeline around a loaded run's components (their modules, not copies)."""
+PIPELINES = ("project", "stable_diffusion")
+
+
+def add_options(p) -> list[str]:
+    p.add_argument("--pipeline", choices=PIPELINES, default="project",
+                   help="project (default): TextToImagePipeline, any run; loads with the project installed. "
+                        "stable_diffusion: diffusers' own StableDiffusionPipeline (loads without the project), for a "
+                        "run on a UNet with Stable Diffusion's conditioning (model.preset=folder from an SD folder, "
+                        "text.hf_padding_mask=false, a VAE, DDPM); it samples with the scheduler's own timestep "
+                        "spacing unless given timesteps=")
+    return ["pipeline"]
+
+
+def stable_diffusion_blockers(comp) -> list[str]:
+    """Why a run cannot be a StableDiffusionPipeline (empty: it can): that pipeline feeds its UNet
+    the unmasked CLIP features of the padded caption, t in DDPM steps, and VAE latents."""
+    from common.diffusion import DDPM
+    from common.nn.text_encoder import HFTextEncoder
+    c = getattr(comp.model, "cfg", None)
+    why = []
+    if not hasattr(comp.model, "unet"):
+        why.append("its denoiser is not a UNet (model.arch=unet)")
+    elif c.pooled_text or c.patch_size != 1 or c.text_mask:
+        why.append("its UNet is not conditioned as SD's (no pooled text, no space-to-depth, all caption positions "
+                   "attended: model.preset=folder from an SD folder)")
+    if not isinstance(comp.text_encoder, HFTextEncoder) or comp.text_encoder.padding_mask:
+        why.append("its text encoder is not a Hugging Face one run without the padding mask (text.hf_path, "
+                   "text.hf_padding_mask=false)")
+    if comp.vae is None:
+        why.append("it has no VAE (vae.path)")
+    if not isinstance(comp.objective, DDPM):
+        why.append("its objective is not DDPM (diffusion.objective=ddpm)")
+    return why
+
+
+def build_stable_diffusion(comp):
+    from diffusers import StableDiffusionPipeline
+
+    from common.diffusion.diffusers_parts import scheduler_for
+    why = stable_diffusion_blockers(comp)
+    if why:
+        raise ConfigError(f"--pipeline stable_diffusion: this run cannot be one: {'; '.join(why)}")
+    vae = comp.vae
+    if comp.cfg.vae.scaling_factor:
+        vae.register_to_config(scaling_factor=comp.latent_scale)
+    # StableDiffusionPipeline pads captions to the tokenizer's model_max_length: the run's length.
+    tokenizer = comp.text_encoder.tokenizer
+    tokenizer.model_max_length = comp.cfg.text.context_length
+    return StableDiffusionPipeline(vae=vae, text_encoder=comp.text_encoder.model, tokenizer=tokenizer,
+                                   unet=comp.model.unet, scheduler=scheduler_for(comp.objective, comp.num_tokens),
+                                   safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+
+
+def build_pipeline(comp, pipeline: str = "project"):
+    """A TextToImagePipeline (or with pipeline="stable_diffusion" diffusers' StableDiffusionPipeline)
+    around a loaded run's components (their modules, not copies)."""
+    if pipeline == "stable_diffusion":
+        return build_stable_diffusion(comp)
     from pipelines.text2image.diffusers_pipeline import (OpenCLIPTextModel, TextToImageDiTModel,
                                                          TextToImagePipeline, scheduler_for)
     from pipelines.text2image.model import DiT
@@ -48,7 +109,8 @@ def build_pipeline(comp):
     if isinstance(comp.text_encoder, TextEncoder):
         text = dict(text_encoder=OpenCLIPTextModel.from_encoder(comp.text_encoder))
     else:  # common.nn.text_encoder.HFTextEncoder: native transformers model and tokenizer
-        text = dict(text_encoder=comp.text_encoder.model, tokenizer=comp.text_encoder.tokenizer)
+        text = dict(text_encoder=comp.text_encoder.model, tokenizer=comp.text_encoder.tokenizer,
+                    text_padding_mask=comp.text_encoder.padding_mask)
     vae = comp.vae
     if vae is not None and comp.cfg.vae.scaling_factor:
         vae.register_to_config(scaling_factor=comp.latent_scale)  # the run's override, where diffusers reads it
@@ -64,7 +126,39 @@ def _describe_scheduler(comp, pipe) -> str:
     return f"{name} (DDPM {comp.objective.prediction}-prediction, order 1 = deterministic DDIM)"
 
 
+def _is_stable_diffusion(pipe) -> bool:
+    return type(pipe).__name__ == "StableDiffusionPipeline"
+
+
+def _sd_model_card(comp, meta: dict, ckpt: str, weights: str, pipe, run: str) -> str:
+    cfg = comp.cfg
+    steps = ", ".join(map(str, ddim_timesteps(comp.objective.num_timesteps, cfg.sample.steps)))
+    return f"""---
+library_name: diffusers
+tags: [text-to-image, stable-diffusion]
+---
+# Stable Diffusion pipeline{f' ({cfg.run.name})' if cfg.run.name else ''}
+
+Fine-tuned in the run `{os.path.abspath(run)}`, checkpoint `{os.path.basename(ckpt)}` (step {meta['step']}).
+Weights: **{weights}**. Resolution {cfg.model.image_size} px. A plain diffusers StableDiffusionPipeline (no
+safety checker): UNet2DConditionModel ({sum(p.numel() for p in pipe.unet.parameters()) / 1e6:.1f}M parameters),
+{type(pipe.text_encoder).__name__}, AutoencoderKL, and {_describe_scheduler(comp, pipe)}.
+`training_config.yaml` is the run's resolved config.
+
+```python
+from diffusers import StableDiffusionPipeline
+pipe = StableDiffusionPipeline.from_pretrained(FOLDER)
+image = pipe("a red circle", num_inference_steps={cfg.sample.steps}, guidance_scale={cfg.sample.cfg:g}).images[0]
+```
+The training run's own sampler (`python -m pipelines.text2image.sample`) takes the timesteps
+[{steps}] for {cfg.sample.steps} steps; pass them as `timesteps=[...]` (and its noise as `latents=`) to draw
+the same image.
+"""
+
+
 def _model_card(comp, meta: dict, ckpt: str, weights: str, pipe, run: str) -> str:
+    if _is_stable_diffusion(pipe):
+        return _sd_model_card(comp, meta, ckpt, weights, pipe, run)
     cfg = comp.cfg
     parts = [f"- denoiser: {'transformer: our DiT' if pipe.transformer is not None else 'unet: UNet2DConditionModel'} "
              f"({sum(p.numel() for p in pipe.denoiser.parameters()) / 1e6:.2f}M parameters), "
@@ -101,6 +195,8 @@ image = pipe("a red circle", num_inference_steps={cfg.sample.steps}, guidance_sc
 
 
 def _summary(comp, pipe) -> str:
+    if _is_stable_diffusion(pipe):
+        return f"StableDiffusionPipeline (unet, text_encoder, tokenizer, vae), scheduler {_describe_scheduler(comp, pipe)}"
     parts = ["transformer" if pipe.transformer is not None else "unet", "text_encoder"]
     parts += ["tokenizer"] if pipe.tokenizer is not None else []
     parts += ["vae"] if pipe.vae is not None else []
@@ -114,7 +210,8 @@ def _spec():
 
 def main(argv=None) -> int:
     return export_main(argv, prog="python -m pipelines.text2image.export", doc=__doc__, load_spec=_spec,
-                       build_pipeline=build_pipeline, model_card=_model_card, summary=_summary)
+                       build_pipeline=build_pipeline, model_card=_model_card, summary=_summary,
+                       add_options=add_options)
 
 
 if __name__ == "__main__":

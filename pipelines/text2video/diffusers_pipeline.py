@@ -74,12 +74,13 @@ class TextToVideoPipeline(ShimmedPipeline):
                  text_max_length: int = 32, sample_steps: int = 20, sample_guidance: float = 3.0,
                  sample_frames: int = 8, latent_shift: list[float] | None = None,
                  latent_scale: list[float] | None = None, vae_temporal_factor: int = 1,
-                 resolution_shift: list[float] | None = None):
+                 resolution_shift: list[float] | None = None, text_padding_mask: bool = True):
         super().__init__()
         self.register_modules(transformer=transformer, text_encoder=text_encoder, tokenizer=tokenizer, vae=vae,
                               scheduler=scheduler)
         # text_max_length: tokens per caption for a transformers text encoder (the run's
-        # text.context_length). sample_steps / sample_guidance / sample_frames: the defaults of
+        # text.context_length); text_padding_mask: whether it sees the padding mask
+        # (text.hf_padding_mask). sample_steps / sample_guidance / sample_frames: the defaults of
         # __call__ (the run's sample.steps, sample.cfg and model.frames, as sample.py's).
         # latent_shift / latent_scale: per channel, model-space latents = (raw - shift) * scale
         # (pipelines/text2video/vae.py); vae_temporal_factor: pixel frames per latent frame after
@@ -89,7 +90,8 @@ class TextToVideoPipeline(ShimmedPipeline):
         self.register_to_config(text_max_length=text_max_length, sample_steps=sample_steps,
                                 sample_guidance=sample_guidance, sample_frames=sample_frames,
                                 latent_shift=latent_shift, latent_scale=latent_scale,
-                                vae_temporal_factor=vae_temporal_factor, resolution_shift=resolution_shift)
+                                vae_temporal_factor=vae_temporal_factor, resolution_shift=resolution_shift,
+                                text_padding_mask=text_padding_mask)
         self.video_processor = VideoProcessor(vae_scale_factor=1, do_normalize=True)
 
     # ------------------------------------------------------------------ geometry
@@ -125,7 +127,8 @@ class TextToVideoPipeline(ShimmedPipeline):
     # ------------------------------------------------------------------ pieces
     def encode_prompt(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens (B, L, width), mask (B, L) bool), as the training run's text tower gives them."""
-        return encode_captions(self.text_encoder, self.tokenizer, prompts, self.config.text_max_length)
+        return encode_captions(self.text_encoder, self.tokenizer, prompts, self.config.text_max_length,
+                               self.config.text_padding_mask)
 
     def set_timesteps(self, num_inference_steps: int, num_tokens: int, device) -> None:
         """The Euler steps of common.diffusion.samplers, with the shift sample.py uses for a clip of

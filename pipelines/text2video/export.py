@@ -43,7 +43,8 @@ def build_pipeline(comp):
     if isinstance(comp.text_encoder, TextEncoder):
         text = dict(text_encoder=OpenCLIPTextModel.from_encoder(comp.text_encoder))
     else:  # common.nn.text_encoder.HFTextEncoder: native transformers model and tokenizer
-        text = dict(text_encoder=comp.text_encoder.model, tokenizer=comp.text_encoder.tokenizer)
+        text = dict(text_encoder=comp.text_encoder.model, tokenizer=comp.text_encoder.tokenizer,
+                    text_padding_mask=comp.text_encoder.padding_mask)
     latent = {}
     if comp.vae is not None:  # pipelines/text2video/vae.py's VideoVae: the diffusers VAE and its normalisation
         latent = dict(vae=comp.vae.vae, latent_shift=[float(v) for v in comp.vae.shift.flatten()],
