@@ -87,7 +87,8 @@ class TextToImagePipeline(ShimmedPipeline):
         self.register_modules(transformer=transformer, unet=unet, text_encoder=text_encoder, tokenizer=tokenizer,
                               vae=vae, scheduler=scheduler)
         # text_max_length: tokens per caption for a transformers text encoder (the run's
-        # text.context_length); text_padding_mask: whether it sees the padding mask (text.hf_padding_mask). The UNet as pipelines/text2image/unet.py runs it: the masked mean
+        # text.context_length); text_padding_mask: whether it sees the padding mask
+        # (text.hf_padding_mask). The UNet as pipelines/text2image/unet.py runs it: the masked mean
         # of the text tokens as class_labels (unet_pooled_text), inputs space-to-depth by
         # unet_patch_size (pixel_unshuffle before, pixel_shuffle after), padded caption tokens masked
         # out of cross-attention unless unet_text_mask is False (Stable Diffusion's own UNets).
@@ -255,15 +256,13 @@ def _init_from_pipeline(comp, path: str) -> str:
     else:
         raise ConfigError(f"model.init_from={path}: no transformer/ or unet/ folder for a {type(comp.model).__name__}")
     text_dir = os.path.join(path, "text_encoder")
-    native_text = os.path.isdir(text_dir) and config("text_encoder").get("_class_name") != OpenCLIPTextModel.__name__
-    if native_text and isinstance(comp.text_encoder, TextEncoder):
-        # The denoiser learned that encoder's features; a random open_clip tower would give it noise.
-        raise ConfigError(f"model.init_from={path}: its denoiser was trained with the text encoder in {text_dir} "
-                          f"({config('text_encoder').get('architectures') or config('text_encoder').get('_class_name')}); "
-                          f"set text.hf_path={text_dir} (and text.width to its hidden size)")
-    if isinstance(comp.text_encoder, TextEncoder) and os.path.isdir(text_dir) \
-            and config("text_encoder").get("_class_name") == OpenCLIPTextModel.__name__:
+    if isinstance(comp.text_encoder, TextEncoder) and os.path.isdir(text_dir):
         c = config("text_encoder")
+        if c.get("_class_name") != OpenCLIPTextModel.__name__:
+            # The denoiser learned that encoder's features; a random open_clip tower would give it noise.
+            raise ConfigError(f"model.init_from={path}: its denoiser was trained with the text encoder in {text_dir} "
+                              f"({c.get('architectures') or c.get('_class_name')}); "
+                              f"set text.hf_path={text_dir} (and text.width to its hidden size)")
         ours = dataclasses.asdict(comp.text_encoder.cfg)
         if all(c.get(k) == ours[k] for k in ("width", "layers", "heads", "context_length", "vocab_size")):
             comp.text_encoder.load_state_dict(weights("text_encoder", "encoder."))

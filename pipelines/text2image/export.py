@@ -71,6 +71,13 @@ def stable_diffusion_blockers(comp) -> list[str]:
     return why
 
 
+def run_vae(comp):
+    """The run's VAE (or None) carrying the run's vae.scaling_factor override, where diffusers reads it."""
+    if comp.vae is not None and comp.cfg.vae.scaling_factor:
+        comp.vae.register_to_config(scaling_factor=comp.latent_scale)
+    return comp.vae
+
+
 def build_stable_diffusion(comp):
     from diffusers import StableDiffusionPipeline
 
@@ -78,9 +85,7 @@ def build_stable_diffusion(comp):
     why = stable_diffusion_blockers(comp)
     if why:
         raise ConfigError(f"--pipeline stable_diffusion: this run cannot be one: {'; '.join(why)}")
-    vae = comp.vae
-    if comp.cfg.vae.scaling_factor:
-        vae.register_to_config(scaling_factor=comp.latent_scale)
+    vae = run_vae(comp)
     # StableDiffusionPipeline pads captions to the tokenizer's model_max_length: the run's length.
     tokenizer = comp.text_encoder.tokenizer
     tokenizer.model_max_length = comp.cfg.text.context_length
@@ -111,9 +116,7 @@ def build_pipeline(comp, pipeline: str = "project"):
     else:  # common.nn.text_encoder.HFTextEncoder: native transformers model and tokenizer
         text = dict(text_encoder=comp.text_encoder.model, tokenizer=comp.text_encoder.tokenizer,
                     text_padding_mask=comp.text_encoder.padding_mask)
-    vae = comp.vae
-    if vae is not None and comp.cfg.vae.scaling_factor:
-        vae.register_to_config(scaling_factor=comp.latent_scale)  # the run's override, where diffusers reads it
+    vae = run_vae(comp)
     return TextToImagePipeline(scheduler=scheduler_for(comp.objective, comp.num_tokens), vae=vae,
                                text_max_length=comp.cfg.text.context_length, sample_steps=comp.cfg.sample.steps,
                                sample_guidance=comp.cfg.sample.cfg, **denoiser, **text)
