@@ -1,10 +1,12 @@
 """common.nn blocks: outputs against written-out math, identity at init, masking, gradient flow."""
 import math
 
+import pytest
 import torch
 from torch import nn
 
 from common.kernels import apply_rope, rope_frequencies
+from common.nn import attention as attention_module
 from common.nn import (MLP, CrossAttention, DiTBlock, FinalLayer, PatchEmbed2d, SelfAttention, SwiGLU,
                        TimestepEmbedder, patchify, unpatchify)
 
@@ -117,19 +119,23 @@ def test_dit_block_identity_at_init():
     assert torch.all(fin(x, torch.randn(2, D)) == 0)
 
 
-def test_cross_attention_trims_trailing_padding_with_exact_gradients():
-    # Key columns no sample uses are dropped before the K/V projections (eager CPU); the output
+@pytest.mark.parametrize("multiple,length,keys_seen", [(1, 7, 4), (16, 7, 16), (16, 40, 16), (4, 8, 4)])
+def test_cross_attention_fits_key_padding_with_exact_gradients(monkeypatch, multiple, length, keys_seen):
+    # Key columns no sample uses are dropped before the K/V projections (eager CPU) and the count
+    # rounded up to CPU_KEY_MULTIPLE (masked zero keys added past the context's end); the output
     # and every gradient still equal the written-out attention over the full padded context.
+    monkeypatch.setattr(attention_module, "CPU_KEY_MULTIPLE", multiple)
     torch.manual_seed(0)
     ca = _randomize(CrossAttention(D, H, 24)).double()
     x = torch.randn(2, 6, D, dtype=torch.float64, requires_grad=True)
-    ctx = torch.randn(2, 7, 24, dtype=torch.float64, requires_grad=True)
-    mask = torch.tensor([[1, 1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0, 0]], dtype=torch.bool)
+    ctx = torch.randn(2, length, 24, dtype=torch.float64, requires_grad=True)
+    mask = torch.zeros(2, length, dtype=torch.bool)
+    mask[0, :2], mask[1, :4] = True, True
     seen = []
     hook = ca.to_k.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[1]))
     out = ca(x, ctx, mask)
     hook.remove()
-    assert seen == [4]  # the longest caption's length, not the padded 7
+    assert seen == [keys_seen]  # the longest caption's length rounded up, not the padded length
     upstream = torch.randn(out.shape, dtype=torch.float64)
     grads = torch.autograd.grad(out, [x, ctx, *ca.parameters()], upstream)
     ref = _ref_attention(ca, x, ctx, mask=mask)
@@ -137,7 +143,8 @@ def test_cross_attention_trims_trailing_padding_with_exact_gradients():
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
-    assert torch.all(grads[1][:, 4:] == 0)  # the dropped columns' gradient is zero, as it must be
+    assert grads[1].shape == ctx.shape
+    assert torch.all(grads[1][:, 4:] == 0)  # the padding columns' gradient is zero, as it must be
 
 
 def test_cross_attention_ignores_padding():
