@@ -18,6 +18,18 @@ from dataclasses import dataclass
 import torch
 
 
+def meta_forward_flops(build, make_args) -> int:
+    """Forward FLOPs (2 per multiply-add) of build()(*make_args()), counted by
+    torch.utils.flop_counter on the meta device: no compute, no memory, the global RNG untouched.
+    For models whose FLOPs are easier counted than written out (the diffusers-backed denoisers)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        model, args = build(), make_args()
+        with FlopCounterMode(display=False) as counter:
+            model(*args)
+    return int(counter.get_total_flops())
+
+
 def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024, reps: int = 8) -> float:
     """Achieved FLOP/s of a large square matmul: the practical peak that CPU-MFU is measured against."""
     a = torch.randn(n, n, device=device, dtype=dtype)

@@ -95,3 +95,20 @@ def test_sd15_finetune_config_is_sd_fine_tuning():
     objective = objective_from_config(cfg.diffusion)
     assert isinstance(objective, DDPM) and objective.prediction == "eps"
     assert abs(objective.betas[0].item() - 0.00085) < 1e-12 and abs(objective.betas[-1].item() - 0.012) < 1e-12
+
+
+def test_pixart_finetune_config_is_pixart_fine_tuning():
+    """The shipped PixArt fine-tuning config parses and asks for what PixArt-alpha was trained with:
+    T5-XXL features of 120 tokens with the padding mask, eps on linear betas 1e-4..0.02 (its
+    architecture is read from model.init_from when the run is built: tests/test_t2i_pixart.py)."""
+    import os
+
+    from common.diffusion import DDPM
+    from common.diffusion.text_conditioned import objective_from_config
+    from tests.conftest import ROOT
+    cfg = build_config(T2IConfig, os.path.join(ROOT, "pipelines/text2image/configs/pixart_finetune.yaml"), [])
+    assert (cfg.model.arch, cfg.model.preset, cfg.text.width, cfg.text.context_length) == ("pixart", "folder", 4096, 120)
+    assert cfg.text.hf_padding_mask
+    objective = objective_from_config(cfg.diffusion)
+    assert isinstance(objective, DDPM) and objective.prediction == "eps"
+    assert abs(objective.betas[0].item() - 1e-4) < 1e-12 and abs(objective.betas[-1].item() - 0.02) < 1e-12

@@ -18,6 +18,7 @@ from common.diffusion import text_conditioned as tc
 from common.hf_folders import weights_variant
 from common.nn.text_encoder import build_text_encoder, text_signature
 from pipelines.text2image.config import T2IConfig
+from pipelines.text2image import pixart
 from pipelines.text2image.model import DiT, dit_config
 from pipelines.text2image.unet import (FOLDER_PRESET, UNet, diffusers_config_mismatch, signature_fields,
                                        unet_config, unet_config_from_diffusers)
@@ -70,31 +71,67 @@ def build_dit(cfg: T2IConfig, size: int, channels: int) -> DiT:
     return DiT(dcfg)
 
 
-def unet_folder(path: str) -> str | None:
-    """The diffusers UNet2DConditionModel folder in `path`: its unet/ (a pipeline folder, e.g. Stable
-    Diffusion's) or `path` itself (a bare UNet folder); None when it holds neither."""
-    for folder in (os.path.join(path, "unet"), path):
+def denoiser_folder(path: str, class_name: str = "UNet2DConditionModel", sub: str = "unet") -> str | None:
+    """The diffusers `class_name` folder in `path`: its `sub`/ (a pipeline folder, e.g. Stable
+    Diffusion's unet/ or PixArt's transformer/) or `path` itself (a bare model folder); None when it
+    holds neither."""
+    for folder in (os.path.join(path, sub), path):
         config = os.path.join(folder, "config.json")
         if os.path.isfile(config):
             with open(config) as f:
-                if json.load(f).get("_class_name") == "UNet2DConditionModel":
+                if json.load(f).get("_class_name") == class_name:
                     return folder
     return None
 
 
-def read_unet_folder_config(path: str) -> dict:
-    folder = unet_folder(path) if os.path.isdir(path) else None
+def unet_folder(path: str) -> str | None:
+    """The diffusers UNet2DConditionModel folder in `path` (its unet/, or itself)."""
+    return denoiser_folder(path)
+
+
+def pixart_folder(path: str) -> str | None:
+    """The diffusers PixArtTransformer2DModel folder in `path` (its transformer/, or itself)."""
+    return denoiser_folder(path, pixart.CLASS_NAME, "transformer")
+
+
+def read_folder_config(path: str, class_name: str = "UNet2DConditionModel", sub: str = "unet") -> dict:
+    folder = denoiser_folder(path, class_name, sub) if os.path.isdir(path) else None
     if folder is None:
-        raise ConfigError(f"model.preset={FOLDER_PRESET} takes the architecture of the diffusers UNet in model.init_from, "
-                          f"but {path!r} holds no UNet2DConditionModel (a unet/config.json, or a config.json)")
+        raise ConfigError(f"model.preset={FOLDER_PRESET} takes the architecture of the diffusers model in "
+                          f"model.init_from, but {path!r} holds no {class_name} (a {sub}/config.json, or a config.json)")
     with open(os.path.join(folder, "config.json")) as f:
         return json.load(f)
+
+
+def build_pixart(cfg: T2IConfig, size: int, channels: int) -> pixart.PixArt:
+    sizes = dict(img_size=size, in_channels=channels, text_dim=cfg.text.width, text_len=cfg.text.context_length,
+                 image_size=cfg.model.image_size)
+    if cfg.model.preset == FOLDER_PRESET:
+        folder_config = read_folder_config(cfg.model.init_from, pixart.CLASS_NAME, "transformer")
+        try:
+            pcfg = pixart.pixart_config_from_diffusers(folder_config, **sizes)
+        except ValueError as e:
+            raise ConfigError(f"model.init_from={cfg.model.init_from}: its PixArt transformer cannot be trained "
+                              f"here: {e}") from None
+    else:
+        pcfg = pixart.pixart_config(cfg.model.preset, **sizes, **model_overrides(cfg))
+    if size % pcfg.patch_size:
+        raise ConfigError(f"model input size {size} is not divisible by the PixArt patch size {pcfg.patch_size}")
+    if pcfg.hidden % pcfg.heads:
+        raise ConfigError(f"model.hidden={pcfg.hidden} is not divisible by model.heads={pcfg.heads}")
+    model = pixart.PixArt(pcfg)
+    if cfg.model.preset == FOLDER_PRESET:
+        wrong = pixart.diffusers_config_mismatch(model.transformer, folder_config)
+        if wrong:  # a setting the mapping above lost: refuse rather than train a different network
+            raise ConfigError(f"model.init_from={cfg.model.init_from}: the PixArt transformer built differs from "
+                              f"the folder's: {'; '.join(wrong[:4])}")
+    return model
 
 
 def build_unet(cfg: T2IConfig, size: int, channels: int) -> UNet:
     sizes = dict(img_size=size, in_channels=channels, text_dim=cfg.text.width, text_len=cfg.text.context_length)
     if cfg.model.preset == FOLDER_PRESET:
-        folder_config = read_unet_folder_config(cfg.model.init_from)
+        folder_config = read_folder_config(cfg.model.init_from)
         try:
             ucfg = unet_config_from_diffusers(folder_config, **sizes)
         except ValueError as e:
@@ -120,13 +157,19 @@ def build(cfg: T2IConfig) -> Components:
     text = build_text_encoder(cfg.text, cfg.run.seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(dnoise.mix_seed(cfg.run.seed, 102))
-        model = build_unet(cfg, size, channels) if cfg.model.arch == "unet" else build_dit(cfg, size, channels)
+        build_model = {"unet": build_unet, "pixart": build_pixart}.get(cfg.model.arch, build_dit)
+        model = build_model(cfg, size, channels)
     return Components(cfg, model, text, tc.objective_from_config(cfg.diffusion), vae, channels, size)
 
 
 def signature(cfg: T2IConfig, comp: Components) -> dict:
     """What must match for a checkpoint to load into this run (checked before any tensor is read)."""
-    model = signature_fields(comp.model.cfg) if isinstance(comp.model, UNet) else dataclasses.asdict(comp.model.cfg)
+    if isinstance(comp.model, UNet):
+        model = signature_fields(comp.model.cfg)
+    elif isinstance(comp.model, pixart.PixArt):
+        model = pixart.signature_fields(comp.model.cfg)
+    else:
+        model = dataclasses.asdict(comp.model.cfg)
     return {"pipeline": PIPELINE, "model": model,
             "text": text_signature(cfg.text),
             "latent": [comp.latent_channels, comp.latent_size]}

@@ -6,21 +6,25 @@ from dataclasses import dataclass
 from common.config import ConfigError, DiffusionConfig, ModelSizeConfig, TextDiffusionSections, doc
 from common.diffusion.ddpm import SCHEDULES
 
-# model.arch -> its model.preset choices (pipelines/text2image/model.py, unet.py).
-ARCH_PRESETS = {"dit": ("tiny", "S", "B", "XL"), "unet": ("tiny", "sd15", "sdxl", "folder")}
+# model.arch -> its model.preset choices (pipelines/text2image/model.py, unet.py, pixart.py).
+ARCH_PRESETS = {"dit": ("tiny", "S", "B", "XL"), "unet": ("tiny", "sd15", "sdxl", "folder"),
+                "pixart": ("tiny", "xl", "folder")}
 
 
 @dataclass
 class ModelConfig(ModelSizeConfig):
     arch: str = doc("dit", "dit: the DiT (preset and the size fields below) | unet: a Stable-Diffusion-style UNet "
-                           "(diffusers UNet2DConditionModel), sized by preset alone")
+                           "(diffusers UNet2DConditionModel), sized by preset alone | pixart: a PixArt-alpha/Sigma "
+                           "transformer (diffusers PixArtTransformer2DModel; preset and the size fields)")
     preset: str = doc("tiny", "model size. dit: tiny | S | B | XL; unet: tiny | sd15 | sdxl (SD1.x / SDXL sizes, "
                               "cross-attention width = text.width) | folder (the architecture and weights of the "
-                              "diffusers UNet in model.init_from, e.g. a Stable Diffusion 1.x / 2.x folder)")
+                              "diffusers UNet in model.init_from, e.g. a Stable Diffusion 1.x / 2.x folder); "
+                              "pixart: tiny | xl (PixArt XL/2) | folder (the PixArt transformer in model.init_from)")
     image_size: int = doc(32, "pixel resolution of training images (square)")
     init_from: str = doc("", "start from the weights of a run / checkpoint dir (its EMA copy), an exported "
                              "diffusers pipeline folder of the same architecture (and its open_clip tower), or "
-                             "with model.preset=folder any diffusers pipeline or UNet folder (its unet/ or itself)")
+                             "with model.preset=folder any diffusers pipeline or UNet / PixArt transformer folder "
+                             "(its unet/ or transformer/, or itself)")
 
 
 @dataclass
@@ -40,7 +44,7 @@ class T2IDiffusionConfig(DiffusionConfig):
 @dataclass
 class T2IConfig(TextDiffusionSections):
     diffusion: T2IDiffusionConfig = doc(factory=T2IDiffusionConfig, help="training objective")
-    model: ModelConfig = doc(factory=ModelConfig, help="the denoiser: DiT or UNet")
+    model: ModelConfig = doc(factory=ModelConfig, help="the denoiser: DiT, UNet or PixArt transformer")
     vae: VaeConfig = doc(factory=VaeConfig, help="optional latent space")
 
     def validate(self) -> None:
@@ -55,19 +59,29 @@ class T2IConfig(TextDiffusionSections):
             raise ConfigError(f"model.preset={m.preset!r} is not a {m.arch} preset; choose from "
                               f"{', '.join(ARCH_PRESETS[m.arch])}")
         if m.preset == "folder" and not m.init_from:
-            raise ConfigError("model.preset=folder takes the UNet's architecture and weights from model.init_from: "
-                              "set it to a diffusers pipeline folder (with unet/) or a UNet folder")
-        if m.arch == "unet":
-            # The DiT's size fields would do nothing: refused rather than silently ignored.
-            sized = m.size_overrides()
-            if sized:
-                key, value = next(iter(sized.items()))
-                raise ConfigError(f"model.{key}={value} sizes the DiT; model.arch=unet is sized by model.preset "
-                                  f"({', '.join(ARCH_PRESETS['unet'])}): leave model.{key} unset")
+            what = "UNet" if m.arch == "unet" else "PixArt transformer"
+            raise ConfigError(f"model.preset=folder takes the {what}'s architecture and weights from model.init_from: "
+                              f"set it to a diffusers pipeline folder (with {'unet' if m.arch == 'unet' else 'transformer'}/) "
+                              f"or a {what} folder")
+        sized = m.size_overrides()
+        if m.arch == "pixart" and m.preset != "folder":
+            sized = {k: v for k, v in sized.items() if k == "mlp_ratio"}  # PixArt's MLP is 4x wide, fixed
+        if sized and m.arch != "dit":
+            # Size fields that would do nothing: refused rather than silently ignored.
+            key, value = next(iter(sized.items()))
+            by = {"unet": f"model.preset ({', '.join(ARCH_PRESETS['unet'])})",
+                  "pixart": "its preset (hidden, depth, heads and patch_size only) or, with model.preset=folder, "
+                            "by the folder in model.init_from"}[m.arch]
+            raise ConfigError(f"model.{key}={value} sizes the DiT; model.arch={m.arch} is sized by {by}: "
+                              f"leave model.{key} unset")
+        if m.arch in ("unet", "pixart"):
             # Refused here, before any process starts, for the reasons the model's plan gives.
-            from pipelines.text2image.unet import PARALLEL_LIMITS
+            if m.arch == "unet":
+                from pipelines.text2image.unet import PARALLEL_LIMITS
+            else:
+                from pipelines.text2image.pixart import PARALLEL_LIMITS
             for dim, reason in PARALLEL_LIMITS.items():
                 degree = getattr(self.parallel, dim)
                 if degree > 1:
                     raise ConfigError(f"parallel.{dim}={degree} is not supported for text2image with "
-                                      f"model.arch=unet: {reason}")
+                                      f"model.arch={m.arch}: {reason}")

@@ -42,7 +42,8 @@ from common.diffusion.pipeline_export import checkpoint_has_ema
 from common.hf_folders import weights_variant
 from common.nn.text_encoder import TextEncoder
 from pipelines.text2image.model import DiT, DiTConfig
-from pipelines.text2image.components import unet_folder
+from pipelines.text2image import pixart
+from pipelines.text2image.components import pixart_folder, unet_folder
 from pipelines.text2image.unet import diffusers_config_mismatch, run_unet
 
 # diffusers finds a component's load method by the base classes its module exposes by name: this
@@ -192,6 +193,8 @@ def init_from(comp, path: str) -> str:
         return _init_from_pipeline(comp, path)
     if hasattr(comp.model, "unet") and unet_folder(path) == path:
         return f"{_load_unet(comp, path)} (a UNet folder)"
+    if isinstance(comp.model, pixart.PixArt) and pixart_folder(path) == path:
+        return f"{_load_pixart(comp, path)} (a PixArt transformer folder)"
     from common.checkpoint import load_for_inference, read_meta, resolve_checkpoint
     try:
         ckpt = resolve_checkpoint(path)
@@ -209,20 +212,31 @@ def init_from(comp, path: str) -> str:
             + ("" if same_text else " (its text tower differs from this run's: kept this run's)"))
 
 
-def _load_unet(comp, folder: str) -> str:
-    """The weights of the diffusers UNet in `folder` (any file layout diffusers reads: safetensors,
-    sharded, .bin, or one precision variant such as SD's fp16 files, cast to fp32) into the run's
-    UNet, after checking the two are the same architecture."""
+def _load_diffusers_weights(module, folder: str, cls, mismatch, what: str) -> None:
+    """The weights of the diffusers `cls` model in `folder` (any file layout diffusers reads:
+    safetensors, sharded, .bin, or one precision variant such as SD's fp16 files, cast to fp32)
+    into `module`, after checking the two are the same architecture."""
     from common.config import ConfigError
     with open(os.path.join(folder, "config.json")) as f:
-        wrong = diffusers_config_mismatch(comp.model.unet, json.load(f))
+        wrong = mismatch(module, json.load(f))
     if wrong:
-        raise ConfigError(f"model.init_from={folder}: its UNet differs from this run's ({'; '.join(wrong[:4])}); "
+        raise ConfigError(f"model.init_from={folder}: its {what} differs from this run's ({'; '.join(wrong[:4])}); "
                           "model.preset=folder takes the folder's architecture")
-    source = UNet2DConditionModel.from_pretrained(folder, local_files_only=True, low_cpu_mem_usage=False,
-                                                  variant=weights_variant(folder), torch_dtype=torch.float32)
-    comp.model.unet.load_state_dict(source.state_dict())  # strict: a shape or key mismatch names the keys
+    source = cls.from_pretrained(folder, local_files_only=True, low_cpu_mem_usage=False,
+                                 variant=weights_variant(folder), torch_dtype=torch.float32)
+    module.load_state_dict(source.state_dict())  # strict: a shape or key mismatch names the keys
+
+
+def _load_unet(comp, folder: str) -> str:
+    _load_diffusers_weights(comp.model.unet, folder, UNet2DConditionModel, diffusers_config_mismatch, "UNet")
     return "unet"
+
+
+def _load_pixart(comp, folder: str) -> str:
+    from diffusers import PixArtTransformer2DModel
+    _load_diffusers_weights(comp.model.transformer, folder, PixArtTransformer2DModel,
+                            pixart.diffusers_config_mismatch, "PixArt transformer")
+    return "transformer"
 
 
 def _init_from_pipeline(comp, path: str) -> str:
@@ -242,7 +256,14 @@ def _init_from_pipeline(comp, path: str) -> str:
             return json.load(f)
 
     loaded = []
-    if os.path.isdir(os.path.join(path, "transformer")):
+    if isinstance(comp.model, pixart.PixArt) and pixart_folder(path) == os.path.join(path, "transformer"):
+        loaded.append(_load_pixart(comp, os.path.join(path, "transformer")))
+    elif os.path.isdir(os.path.join(path, "transformer")):
+        held = config("transformer").get("_class_name")
+        if held != TextToImageDiTModel.__name__:
+            hint = " (model.arch=pixart model.preset=folder trains it)" if held == pixart.CLASS_NAME else ""
+            raise ConfigError(f"model.init_from={path} holds a {held} (transformer/){hint}, this run's model is "
+                              f"{type(comp.model).__name__}")
         if not isinstance(comp.model, DiT):
             raise ConfigError(f"model.init_from={path} holds a DiT (transformer/), this run's model is "
                               f"{type(comp.model).__name__}")
@@ -254,7 +275,8 @@ def _init_from_pipeline(comp, path: str) -> str:
     elif os.path.isdir(os.path.join(path, "unet")) and hasattr(comp.model, "unet"):
         loaded.append(_load_unet(comp, os.path.join(path, "unet")))
     else:
-        raise ConfigError(f"model.init_from={path}: no transformer/ or unet/ folder for a {type(comp.model).__name__}")
+        raise ConfigError(f"model.init_from={path}: no transformer/ or unet/ folder for a {type(comp.model).__name__}"
+                          + (f" (a {pixart.CLASS_NAME} in transformer/)" if isinstance(comp.model, pixart.PixArt) else ""))
     text_dir = os.path.join(path, "text_encoder")
     if isinstance(comp.text_encoder, TextEncoder) and os.path.isdir(text_dir):
         c = config("text_encoder")

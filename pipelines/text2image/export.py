@@ -2,7 +2,7 @@
 checkpoint has them).
 
   python -m pipelines.text2image.export --run RUN_DIR --out DIR [--checkpoint CKPT]
-         [--weights ema|trained] [--overwrite] [--pipeline project|stable_diffusion]
+         [--weights ema|trained] [--overwrite] [--pipeline project|stable_diffusion|pixart]
 
 The folder loads with the project installed (pip install -e <repo>):
 
@@ -22,7 +22,9 @@ order 1 = DDIM for DDPM runs). README.md in the folder says which weights and ch
 
 --pipeline stable_diffusion writes diffusers' own StableDiffusionPipeline instead (no project code
 needed to load it), for a run conditioned as Stable Diffusion is (an SD UNet fine-tuned with
-configs/sd15_finetune.yaml): `StableDiffusionPipeline.from_pretrained(DIR)`.
+configs/sd15_finetune.yaml): `StableDiffusionPipeline.from_pretrained(DIR)`. --pipeline pixart
+writes diffusers' own PixArtAlphaPipeline for a model.arch=pixart run (a PixArt-alpha / Sigma
+fine-tune): `PixArtAlphaPipeline.from_pretrained(DIR)`; PixArt runs export only this way.
 """
 from __future__ import annotations
 
@@ -36,16 +38,18 @@ from common.diffusion.samplers import ddim_timesteps
 from common.nn.text_encoder import TextEncoder
 
 
-PIPELINES = ("project", "stable_diffusion")
+PIPELINES = ("project", "stable_diffusion", "pixart")
 
 
 def add_options(p) -> list[str]:
     p.add_argument("--pipeline", choices=PIPELINES, default="project",
-                   help="project (default): TextToImagePipeline, any run; loads with the project installed. "
+                   help="project (default): TextToImagePipeline, any DiT or UNet run; loads with the project installed. "
                         "stable_diffusion: diffusers' own StableDiffusionPipeline (loads without the project), for a "
                         "run on a UNet with Stable Diffusion's conditioning (model.preset=folder from an SD folder, "
                         "text.hf_padding_mask=false, a VAE, DDPM); it samples with the scheduler's own timestep "
-                        "spacing unless given timesteps=")
+                        "spacing unless given timesteps=. pixart: diffusers' own PixArtAlphaPipeline (loads "
+                        "without the project), for a model.arch=pixart run with a VAE and a Hugging Face text "
+                        "encoder run with its padding mask (e.g. PixArt's T5)")
     return ["pipeline"]
 
 
@@ -69,6 +73,38 @@ def stable_diffusion_blockers(comp) -> list[str]:
     if not isinstance(comp.objective, DDPM):
         why.append("its objective is not DDPM (diffusion.objective=ddpm)")
     return why
+
+
+def pixart_blockers(comp) -> list[str]:
+    """Why a run cannot be a PixArtAlphaPipeline (empty: it can): that pipeline feeds its transformer
+    the text encoder's features of the padded caption computed with its padding mask, t in the
+    scheduler's steps, VAE latents, and resolution conditions exactly when sample_size is 128."""
+    from common.nn.text_encoder import HFTextEncoder
+    from pipelines.text2image.pixart import PixArt
+    why = []
+    if not isinstance(comp.model, PixArt):
+        why.append("its denoiser is not a PixArt transformer (model.arch=pixart)")
+    elif comp.model.transformer.use_additional_conditions != (comp.model.transformer.config.sample_size == 128):
+        why.append("its transformer's resolution conditions (use_additional_conditions) are not what the pipeline "
+                   "gives (exactly when sample_size is 128)")
+    if not isinstance(comp.text_encoder, HFTextEncoder) or not comp.text_encoder.padding_mask:
+        why.append("its text encoder is not a Hugging Face one run with the padding mask (text.hf_path, "
+                   "text.hf_padding_mask=true)")
+    if comp.vae is None:
+        why.append("it has no VAE (vae.path)")
+    return why
+
+
+def build_pixart(comp):
+    from diffusers import PixArtAlphaPipeline
+
+    from common.diffusion.diffusers_parts import scheduler_for
+    why = pixart_blockers(comp)
+    if why:
+        raise ConfigError(f"--pipeline pixart: this run cannot be one: {'; '.join(why)}")
+    return PixArtAlphaPipeline(tokenizer=comp.text_encoder.tokenizer, text_encoder=comp.text_encoder.model,
+                               vae=run_vae(comp), transformer=comp.model.transformer,
+                               scheduler=scheduler_for(comp.objective, comp.num_tokens))
 
 
 def run_vae(comp):
@@ -99,6 +135,8 @@ def build_pipeline(comp, pipeline: str = "project"):
     around a loaded run's components (their modules, not copies)."""
     if pipeline == "stable_diffusion":
         return build_stable_diffusion(comp)
+    if pipeline == "pixart":
+        return build_pixart(comp)
     from pipelines.text2image.diffusers_pipeline import (OpenCLIPTextModel, TextToImageDiTModel,
                                                          TextToImagePipeline, scheduler_for)
     from pipelines.text2image.model import DiT
@@ -109,6 +147,8 @@ def build_pipeline(comp, pipeline: str = "project"):
         denoiser.update(unet=comp.model.unet, unet_pooled_text=bool(comp.model.cfg.pooled_text),
                         unet_patch_size=int(getattr(comp.model.cfg, "patch_size", 1)),
                         unet_text_mask=bool(getattr(comp.model.cfg, "text_mask", True)))
+    elif hasattr(comp.model, "transformer"):  # pipelines/text2image/pixart.py
+        raise ConfigError("a model.arch=pixart run exports as diffusers' own PixArtAlphaPipeline: --pipeline pixart")
     else:
         raise ConfigError(f"cannot export a {type(comp.model).__name__} as a diffusers pipeline")
     if isinstance(comp.text_encoder, TextEncoder):
@@ -131,6 +171,40 @@ def _describe_scheduler(comp, pipe) -> str:
 
 def _is_stable_diffusion(pipe) -> bool:
     return type(pipe).__name__ == "StableDiffusionPipeline"
+
+
+def _is_pixart(pipe) -> bool:
+    return type(pipe).__name__ == "PixArtAlphaPipeline"
+
+
+def _pixart_model_card(comp, meta: dict, ckpt: str, weights: str, pipe, run: str) -> str:
+    cfg = comp.cfg
+    timesteps = (f"timesteps=[{', '.join(map(str, ddim_timesteps(comp.objective.num_timesteps, cfg.sample.steps)))}]"
+                 if not isinstance(comp.objective, RectifiedFlow) else "its own sigmas")
+    binning = pipe.transformer.config.sample_size in (32, 64, 128)
+    return f"""---
+library_name: diffusers
+tags: [text-to-image, pixart]
+---
+# PixArt pipeline{f' ({cfg.run.name})' if cfg.run.name else ''}
+
+Trained in the run `{os.path.abspath(run)}`, checkpoint `{os.path.basename(ckpt)}` (step {meta['step']}).
+Weights: **{weights}**. Resolution {cfg.model.image_size} px. A plain diffusers PixArtAlphaPipeline:
+PixArtTransformer2DModel ({sum(p.numel() for p in pipe.transformer.parameters()) / 1e6:.1f}M parameters),
+{type(pipe.text_encoder).__name__}, AutoencoderKL, and {_describe_scheduler(comp, pipe)}.
+`training_config.yaml` is the run's resolved config.
+
+```python
+from diffusers import PixArtAlphaPipeline
+pipe = PixArtAlphaPipeline.from_pretrained(FOLDER)
+image = pipe("a red circle", num_inference_steps={cfg.sample.steps}, guidance_scale={cfg.sample.cfg:g},
+             max_sequence_length={cfg.text.context_length}, clean_caption=False,
+             height={cfg.model.image_size}, width={cfg.model.image_size}{'' if binning else ', use_resolution_binning=False'}).images[0]
+```
+The run's captions were {cfg.text.context_length} tokens, uncleaned: pass `max_sequence_length` and
+`clean_caption=False` as above. The training run's own sampler (`python -m pipelines.text2image.sample`)
+takes {timesteps} for {cfg.sample.steps} steps; pass them (and its noise as `latents=`) to draw the same image.
+"""
 
 
 def _sd_model_card(comp, meta: dict, ckpt: str, weights: str, pipe, run: str) -> str:
@@ -162,6 +236,8 @@ the same image.
 def _model_card(comp, meta: dict, ckpt: str, weights: str, pipe, run: str) -> str:
     if _is_stable_diffusion(pipe):
         return _sd_model_card(comp, meta, ckpt, weights, pipe, run)
+    if _is_pixart(pipe):
+        return _pixart_model_card(comp, meta, ckpt, weights, pipe, run)
     cfg = comp.cfg
     parts = [f"- denoiser: {'transformer: our DiT' if pipe.transformer is not None else 'unet: UNet2DConditionModel'} "
              f"({sum(p.numel() for p in pipe.denoiser.parameters()) / 1e6:.2f}M parameters), "
@@ -200,6 +276,8 @@ image = pipe("a red circle", num_inference_steps={cfg.sample.steps}, guidance_sc
 def _summary(comp, pipe) -> str:
     if _is_stable_diffusion(pipe):
         return f"StableDiffusionPipeline (unet, text_encoder, tokenizer, vae), scheduler {_describe_scheduler(comp, pipe)}"
+    if _is_pixart(pipe):
+        return f"PixArtAlphaPipeline (transformer, text_encoder, tokenizer, vae), scheduler {_describe_scheduler(comp, pipe)}"
     parts = ["transformer" if pipe.transformer is not None else "unet", "text_encoder"]
     parts += ["tokenizer"] if pipe.tokenizer is not None else []
     parts += ["vae"] if pipe.vae is not None else []

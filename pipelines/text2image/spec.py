@@ -15,6 +15,7 @@ from common.parallel.layouts import check_layout
 from common.parallel.parallel_model import ParallelModel
 from pipelines.text2image import components
 from pipelines.text2image.config import T2IConfig
+from pipelines.text2image.pixart import PixArt
 from pipelines.text2image.unet import UNet
 
 
@@ -26,23 +27,24 @@ def decoder(comp: components.Components) -> ImageDecoder:
     return ImageDecoder(cfg.model.image_size, use_latents=bool(cfg.vae.path))
 
 
-def parallelize_unet(model: UNet, cfg, info, *, microbatches: int = 1, criterion=None,
-                     name: str | None = None) -> ParallelModel:
-    """The UNet's plan: data parallelism only (parallel_limits refuses tp, cp and pp). Activation
-    checkpointing and compile per resolution block (down..., mid, up...), then DDP, or FSDP2 with
-    each of those blocks a unit and the root owning conv_in, the time and text embeddings and the
-    output layers: the DiT's order (AC, compile, fully_shard per block, then the root)."""
+def parallelize_diffusers_model(model: UNet | PixArt, cfg, info, *, microbatches: int = 1, criterion=None,
+                                name: str | None = None) -> ParallelModel:
+    """The plan of the diffusers-backed denoisers (the UNet, the PixArt transformer): data
+    parallelism only (parallel_limits refuses tp, cp and pp). Activation checkpointing and compile
+    per block (the UNet's resolution blocks down..., mid, up...; PixArt's transformer blocks), then
+    DDP, or FSDP2 with each of those blocks a unit and the root owning the input and output layers
+    and the time and text embeddings: the DiT's order (AC, compile, fully_shard per block, then the root)."""
     dims = ParallelDims.from_config(cfg, info.world_size)
-    check_layout(dims, cfg, model.parallel_limits(), f"{name or 'text2image'} with model.arch=unet")
-    blocks = nn.ModuleList(model.blocks)  # a view: the blocks stay registered under model.unet only
+    check_layout(dims, cfg, model.parallel_limits(), f"{name or 'text2image'} with model.arch={'unet' if isinstance(model, UNet) else 'pixart'}")
+    blocks = nn.ModuleList(model.blocks)  # a view: the blocks stay registered under the diffusers model only
     apply_block_options(blocks, cfg)
     mesh = dims.build_mesh(info.device.type)
     return ParallelModel(apply_data_parallel(model, list(blocks), mesh, dims, info, cfg), dims, mesh)
 
 
 def parallelize(model, cfg, info, **kwargs) -> ParallelModel:
-    """model.arch: the UNet's plan or the DiT family's (common/nn/dit_parallel.py)."""
-    plan = parallelize_unet if isinstance(model, UNet) else parallelize_dit
+    """model.arch: the diffusers-backed denoisers' plan or the DiT family's (common/nn/dit_parallel.py)."""
+    plan = parallelize_diffusers_model if isinstance(model, (UNet, PixArt)) else parallelize_dit
     return plan(model, cfg, info, **kwargs)
 
 
@@ -51,6 +53,10 @@ def describe(comp: components.Components) -> str:
         c = comp.model.cfg
         return (f"UNet {comp.cfg.model.preset} (diffusers UNet2DConditionModel), {c.in_channels}x{c.img_size}x"
                 f"{c.img_size} input, {comp.num_tokens} positions/sample")
+    if isinstance(comp.model, PixArt):
+        c = comp.model.cfg
+        return (f"PixArt {comp.cfg.model.preset} (diffusers PixArtTransformer2DModel, hidden {c.hidden}, depth "
+                f"{c.depth}), {comp.num_tokens} tokens/sample")
     return f"DiT, {comp.num_tokens} tokens/sample"
 
 
@@ -67,7 +73,7 @@ def init_model(comp: components.Components) -> None:
 SPEC = text_diffusion_spec(
     components,
     name="text2image",
-    description="Train a text-to-image DiT or UNet.",
+    description="Train a text-to-image DiT, UNet or PixArt transformer.",
     config=T2IConfig,
     parallelize=parallelize,
     decoder=decoder,

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from common.metrics import meta_forward_flops
 from common.nn.dit import masked_mean, preset_config
 
 # The timestep scale of the SD family (1000 DDPM steps): t in [0, 1] becomes t * 1000, so the
@@ -300,13 +301,8 @@ class UNet(nn.Module):
         weights untouched). Training is about 3x this."""
         key = (height or self.cfg.img_size, width or self.cfg.img_size, text_len or self.cfg.text_len)
         if key not in self._flops:
-            from torch.utils.flop_counter import FlopCounterMode
-            with torch.random.fork_rng(devices=[]), torch.device("meta"):
-                meta = UNet(self.cfg)
-                x = torch.empty(1, self.cfg.in_channels, key[0], key[1])
-                args = (x, torch.empty(1), torch.empty(1, key[2], self.cfg.text_dim),
-                        torch.ones(1, key[2], dtype=torch.bool))
-                with FlopCounterMode(display=False) as counter:
-                    meta(*args)
-            self._flops[key] = int(counter.get_total_flops())
+            c = self.cfg
+            self._flops[key] = meta_forward_flops(lambda: UNet(c), lambda: (
+                torch.empty(1, c.in_channels, key[0], key[1]), torch.empty(1), torch.empty(1, key[2], c.text_dim),
+                torch.ones(1, key[2], dtype=torch.bool)))
         return self._flops[key]
