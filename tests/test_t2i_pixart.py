@@ -12,7 +12,8 @@ import os
 import pytest
 import torch
 
-from tests.conftest import ROOT, assert_same_training, final_weights, run_checked, run_module, train_cmd
+from tests.conftest import (ROOT, assert_same_training, final_weights, run_checked, run_module, shared_once,
+                            train_cmd)
 from tests.test_t2i_diffusers import FAST, make_t5
 from tests.test_t2i_sd_folder import make_vae
 
@@ -306,19 +307,31 @@ def run_pixart(run_dir: str, data_dir: str, *overrides: str, nproc: int = 1):
                                            f"data.eval_shards={data_dir}/heldout", *EQUIV, *overrides])
 
 
+LAYOUTS = {
+    "ddp": ["data.micro_batch_size=4", "parallel.dp_mode=ddp"],
+    "fsdp-ac-full": ["data.micro_batch_size=4", "parallel.dp_mode=fsdp", "parallel.activation_checkpoint=full"],
+}
+
+
+@pytest.fixture(scope="module")
+def single_pixart_run(synth_data, tmp_path_factory):
+    return shared_once(tmp_path_factory, "pixart-single", lambda run: run_pixart(
+        run, synth_data, "data.micro_batch_size=8"))
+
+
 @pytest.mark.slow
 @pytest.mark.dist
-def test_fsdp_with_activation_checkpointing_matches_single_process(synth_data, tmp_path):
-    """FSDP2 over PixArt's blocks with full activation checkpointing, 2 ranks, equals one process:
-    losses and grad norms per step, final weights and EMA weights."""
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_data_parallel_matches_single_process(single_pixart_run, synth_data, tmp_path, layout):
+    """DDP, and FSDP2 over PixArt's blocks with full activation checkpointing, 2 ranks, equal one
+    process: losses and grad norms per step, final weights and EMA weights."""
     from pipelines.text2image.spec import SPEC
-    single, par = str(tmp_path / "single"), str(tmp_path / "fsdp")
-    run_pixart(single, synth_data, "data.micro_batch_size=8")
-    run_pixart(par, synth_data, "data.micro_batch_size=4", "parallel.dp_mode=fsdp",
-               "parallel.activation_checkpoint=full", nproc=2)
-    assert_same_training(single, par, range(1, STEPS_DP + 1))
+    par = str(tmp_path / "run")
+    run_pixart(par, synth_data, *LAYOUTS[layout], nproc=2)
+    assert_same_training(single_pixart_run, par, range(1, STEPS_DP + 1))
     for use_ema in (False, True):
-        ref, got = final_weights(SPEC, single, STEPS_DP, use_ema), final_weights(SPEC, par, STEPS_DP, use_ema)
+        ref, got = (final_weights(SPEC, single_pixart_run, STEPS_DP, use_ema),
+                    final_weights(SPEC, par, STEPS_DP, use_ema))
         assert ref.keys() == got.keys() and any(k.startswith("transformer.transformer_blocks.") for k in ref)
         for name in ref:
             torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6,
