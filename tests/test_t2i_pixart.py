@@ -250,7 +250,8 @@ def test_folder_pixart_refusals(pixart_folder, tmp_path):
     with pytest.raises(ConfigError, match="--pipeline pixart: this run cannot be one"):
         build_pipeline(unmasked, "pixart")
     assert [w.split(" (")[0] for w in pixart_blockers(dit)] == [
-        "its denoiser is not a PixArt transformer", "its text encoder is not a Hugging Face one run with the padding mask"]
+        "its denoiser is not a PixArt transformer", "its text encoder is not a Hugging Face one run with the padding mask",
+        "its objective is not DDPM"]  # flow: the stock pipeline's loop needs a DDPM scheduler's init_noise_sigma
 
 
 # --------------------------------------------------------------------------- fine-tune and export

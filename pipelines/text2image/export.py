@@ -23,7 +23,7 @@ order 1 = DDIM for DDPM runs). README.md in the folder says which weights and ch
 --pipeline stable_diffusion writes diffusers' own StableDiffusionPipeline instead (no project code
 needed to load it), for a run conditioned as Stable Diffusion is (an SD UNet fine-tuned with
 configs/sd15_finetune.yaml): `StableDiffusionPipeline.from_pretrained(DIR)`. --pipeline pixart
-writes diffusers' own PixArtAlphaPipeline for a model.arch=pixart run (a PixArt-alpha / Sigma
+writes diffusers' own PixArtAlphaPipeline for a model.arch=pixart DDPM run (a PixArt-alpha / Sigma
 fine-tune): `PixArtAlphaPipeline.from_pretrained(DIR)`; PixArt runs export only this way.
 """
 from __future__ import annotations
@@ -49,7 +49,7 @@ def add_options(p) -> list[str]:
                         "text.hf_padding_mask=false, a VAE, DDPM); it samples with the scheduler's own timestep "
                         "spacing unless given timesteps=. pixart: diffusers' own PixArtAlphaPipeline (loads "
                         "without the project), for a model.arch=pixart run with a VAE and a Hugging Face text "
-                        "encoder run with its padding mask (e.g. PixArt's T5)")
+                        "encoder run with its padding mask (e.g. PixArt's T5), trained with DDPM")
     return ["pipeline"]
 
 
@@ -79,6 +79,7 @@ def pixart_blockers(comp) -> list[str]:
     """Why a run cannot be a PixArtAlphaPipeline (empty: it can): that pipeline feeds its transformer
     the text encoder's features of the padded caption computed with its padding mask, t in the
     scheduler's steps, VAE latents, and resolution conditions exactly when sample_size is 128."""
+    from common.diffusion import DDPM
     from common.nn.text_encoder import HFTextEncoder
     from pipelines.text2image.pixart import PixArt
     why = []
@@ -92,6 +93,11 @@ def pixart_blockers(comp) -> list[str]:
                    "text.hf_padding_mask=true)")
     if comp.vae is None:
         why.append("it has no VAE (vae.path)")
+    if not isinstance(comp.objective, DDPM):
+        # The pipeline scales its initial noise by scheduler.init_noise_sigma, which flow-matching
+        # schedulers do not have.
+        why.append("its objective is not DDPM (diffusion.objective=ddpm; PixArtAlphaPipeline's loop needs a DDPM "
+                   "scheduler)")
     return why
 
 
@@ -179,8 +185,7 @@ def _is_pixart(pipe) -> bool:
 
 def _pixart_model_card(comp, meta: dict, ckpt: str, weights: str, pipe, run: str) -> str:
     cfg = comp.cfg
-    timesteps = (f"timesteps=[{', '.join(map(str, ddim_timesteps(comp.objective.num_timesteps, cfg.sample.steps)))}]"
-                 if not isinstance(comp.objective, RectifiedFlow) else "its own sigmas")
+    timesteps = f"timesteps=[{', '.join(map(str, ddim_timesteps(comp.objective.num_timesteps, cfg.sample.steps)))}]"
     binning = pipe.transformer.config.sample_size in (32, 64, 128)
     return f"""---
 library_name: diffusers
