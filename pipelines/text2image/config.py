@@ -59,10 +59,9 @@ class T2IConfig(TextDiffusionSections):
             raise ConfigError(f"model.preset={m.preset!r} is not a {m.arch} preset; choose from "
                               f"{', '.join(ARCH_PRESETS[m.arch])}")
         if m.preset == "folder" and not m.init_from:
-            what = "UNet" if m.arch == "unet" else "PixArt transformer"
+            what, sub = {"unet": ("UNet", "unet"), "pixart": ("PixArt transformer", "transformer")}[m.arch]
             raise ConfigError(f"model.preset=folder takes the {what}'s architecture and weights from model.init_from: "
-                              f"set it to a diffusers pipeline folder (with {'unet' if m.arch == 'unet' else 'transformer'}/) "
-                              f"or a {what} folder")
+                              f"set it to a diffusers pipeline folder (with {sub}/) or a {what} folder")
         sized = m.size_overrides()
         if m.arch == "pixart" and m.preset != "folder":
             sized = {k: v for k, v in sized.items() if k == "mlp_ratio"}  # PixArt's MLP is 4x wide, fixed

@@ -22,9 +22,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from common.metrics import meta_forward_flops
 from common.nn.dit import preset_config
-from pipelines.text2image.unet import _plain
+from pipelines.text2image.unet import _plain, denoiser_flops
 
 # The timestep scale of PixArt (1000 DDPM steps): t in [0, 1] becomes t * 1000.
 TIME_SCALE = 1000.0
@@ -214,10 +213,4 @@ class PixArt(nn.Module):
                          text_len: int | None = None) -> int:
         """Forward FLOPs per sample (2 per multiply-add) of matmuls and attention, counted once per
         shape by torch.utils.flop_counter on a meta-device copy. Training is about 3x this."""
-        key = (height or self.cfg.img_size, width or self.cfg.img_size, text_len or self.cfg.text_len)
-        if key not in self._flops:
-            c = self.cfg
-            self._flops[key] = meta_forward_flops(lambda: PixArt(c), lambda: (
-                torch.empty(1, c.in_channels, key[0], key[1]), torch.empty(1), torch.empty(1, key[2], c.text_dim),
-                torch.ones(1, key[2], dtype=torch.bool)))
-        return self._flops[key]
+        return denoiser_flops(self, height, width, text_len)

@@ -246,6 +246,18 @@ def run_unet(unet: nn.Module, x: torch.Tensor, timesteps: torch.Tensor, context:
     return F.pixel_shuffle(h, p) if p > 1 else h
 
 
+def denoiser_flops(model: nn.Module, height: int | None, width: int | None, text_len: int | None) -> int:
+    """Forward FLOPs per sample of a diffusers-backed denoiser (UNet, PixArt): `type(model)(model.cfg)`
+    built and run on the meta device, once per (height, width, text_len), cached in model._flops."""
+    c = model.cfg
+    key = (height or c.img_size, width or c.img_size, text_len or c.text_len)
+    if key not in model._flops:
+        model._flops[key] = meta_forward_flops(lambda: type(model)(c), lambda: (
+            torch.empty(1, c.in_channels, key[0], key[1]), torch.empty(1), torch.empty(1, key[2], c.text_dim),
+            torch.ones(1, key[2], dtype=torch.bool)))
+    return model._flops[key]
+
+
 class UNet(nn.Module):
     """The text2image model interface on a diffusers UNet2DConditionModel (held as `unet`, so its
     parameters keep diffusers' names under the `unet.` prefix)."""
@@ -299,10 +311,4 @@ class UNet(nn.Module):
         """Forward FLOPs per sample (2 per multiply-add) of convolutions, matmuls and attention,
         counted once per shape by torch.utils.flop_counter on a meta-device copy (no compute, the
         weights untouched). Training is about 3x this."""
-        key = (height or self.cfg.img_size, width or self.cfg.img_size, text_len or self.cfg.text_len)
-        if key not in self._flops:
-            c = self.cfg
-            self._flops[key] = meta_forward_flops(lambda: UNet(c), lambda: (
-                torch.empty(1, c.in_channels, key[0], key[1]), torch.empty(1), torch.empty(1, key[2], c.text_dim),
-                torch.ones(1, key[2], dtype=torch.bool)))
-        return self._flops[key]
+        return denoiser_flops(self, height, width, text_len)
