@@ -2,7 +2,8 @@
 
   HangWatchdog        a step (or collective) past train.hang_timeout_s: every thread's Python
                       stack to stderr and <run.dir>/hang_rank<r>.txt, then os._exit(EXIT_HANG)
-                      so that torchrun --max-restarts restarts the job from its last checkpoint
+                      so that torchrun --max-restarts restarts the job from its last checkpoint;
+                      a rank that the launcher then ends with SIGTERM prints its stacks too
   StragglerMonitor    every train.straggler_every steps, the per-rank step times gathered and
                       ranks slower than train.straggler_factor x the median named
   young_daly_steps    train.ckpt_every=auto: sqrt(2 * save_s * MTBF) converted to steps
@@ -41,7 +42,13 @@ class HangWatchdog:
 
     A Python thread does the dump and the exit. In case the stuck call holds the GIL (a C
     extension that never releases it) and that thread cannot run, faulthandler's C-level timer,
-    re-armed by the thread while beats arrive, dumps to stderr and exits `grace_s` later."""
+    re-armed by the thread while beats arrive, dumps to stderr and exits `grace_s` later.
+
+    Every rank of a hung job times out at about the same moment, and the first to exit makes
+    torchrun end the others with SIGTERM, possibly before their own watchdog fires. So while the
+    watchdog runs, SIGTERM (where no handler was installed) first prints every thread's stack to
+    stderr, from C like the timer above, then terminates as before: the rank that really hung
+    shows where, whichever rank's watchdog fired."""
 
     def __init__(self, timeout_s: float, run_dir: str, rank: int, grace_s: float = 30.0):
         self.timeout_s = float(timeout_s)
@@ -52,7 +59,11 @@ class HangWatchdog:
         self._last = time.monotonic()
         self._stop = threading.Event()
         self._thread = None
+        self._dumps_on_sigterm = False
         if self.timeout_s > 0:
+            if hasattr(faulthandler, "register") and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+                faulthandler.register(signal.SIGTERM, file=_STDERR_FD, all_threads=True, chain=True)
+                self._dumps_on_sigterm = True
             self._thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
             self._thread.start()
 
@@ -66,6 +77,9 @@ class HangWatchdog:
             self._stop.set()
             self._thread.join()
             faulthandler.cancel_dump_traceback_later()
+        if self._dumps_on_sigterm:
+            faulthandler.unregister(signal.SIGTERM)
+            self._dumps_on_sigterm = False
 
     def _watch(self) -> None:
         poll = min(5.0, max(0.05, self.timeout_s / 20))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -167,6 +168,35 @@ def test_watchdog_dumps_every_stack_and_exits(tmp_path):
         assert "train_step_fn" in text and "loader_worker" in text  # every thread's stack
 
 
+def test_watchdog_prints_stacks_when_the_launcher_ends_the_rank(tmp_path):
+    """SIGTERM (torchrun ending a rank after another rank's watchdog fired) prints every thread's
+    stack and still terminates the process; once the watchdog is closed, SIGTERM is plain again."""
+    def run(close_first: bool):
+        script = textwrap.dedent(f"""
+            import sys, time
+            from common.faults import HangWatchdog
+            wd = HangWatchdog(60.0, {str(tmp_path)!r}, rank=1)
+            if {close_first}:
+                wd.close()
+            def waiting_in_a_collective():
+                print("ready", flush=True)
+                time.sleep(60)
+            waiting_in_a_collective()
+        """)
+        proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+        return proc.returncode, err
+    rc, err = run(close_first=False)
+    assert rc == -signal.SIGTERM, (rc, err)
+    assert "waiting_in_a_collective" in err and "most recent call first" in err, err
+    rc, err = run(close_first=True)
+    assert rc == -signal.SIGTERM and "waiting_in_a_collective" not in err, (rc, err)
+    assert not os.listdir(tmp_path)  # no hang report: nothing timed out
+
+
 # --------------------------------------------------------------------------- end to end
 slow = pytest.mark.slow  # the train CLI in subprocesses
 
@@ -202,8 +232,10 @@ def test_elastic_restart_after_killed_rank_matches_uninterrupted(synth_data, tmp
 
 @slow
 def test_hang_watchdog_ends_a_hung_two_rank_job(synth_data, tmp_path):
-    """Rank 1 hangs in step 3 (rank 0 then waits in the step's all-reduce). Its watchdog fires
-    after train.hang_timeout_s: stacks in hang_rank1.txt, exit code 75, the job fails."""
+    """Rank 1 hangs in step 3; rank 0 then waits in the step's all-reduce. Both beat last at step
+    3's start, so either watchdog may fire first, after train.hang_timeout_s: it writes its stacks
+    to hang_rank<r>.txt and exits with code 75, the job fails, and torchrun ends the other rank,
+    whose SIGTERM prints its stacks. Either way rank 1's stack, stuck in the injected hang, is shown."""
     run = str(tmp_path / "hang")
     timeout_s = 4.0
     proc, seconds = _train(run, synth_data, "train.steps=50", "train.log_every=1", "train.ckpt_every=100",
@@ -211,20 +243,23 @@ def test_hang_watchdog_ends_a_hung_two_rank_job(synth_data, tmp_path):
                            extra_env={"MMP_FAULT_HANG_AT_STEP": "3", "MMP_FAULT_HANG_RANK": "1"})
     assert proc.returncode != 0, _tail(proc)
     assert "exitcode" in proc.stderr and str(EXIT_HANG) in proc.stderr, _tail(proc)
-    hung = open(os.path.join(run, "hang_rank1.txt")).read()
-    assert "in step 3" in hung and "_forward_backward" in hung and "at_step" in hung, hung
-    waiting = os.path.join(run, "hang_rank0.txt")
-    if os.path.exists(waiting):  # unless torchrun ended rank 0 first, on rank 1's exit
-        waiting = open(waiting).read()
-        assert "in step 3" in waiting and "in fit" in waiting, waiting
-    # From the injected hang to the dump: the timeout plus the watchdog's poll.
+    reports = {r: os.path.join(run, f"hang_rank{r}.txt") for r in (0, 1)}
+    fired = [r for r, path in reports.items() if os.path.exists(path)]
+    assert fired, _tail(proc)
+    for r in fired:
+        text = open(reports[r]).read()
+        assert "in step 3" in text, text
+        assert ("_forward_backward" in text and "at_step" in text) if r == 1 else "in fit" in text, text
+    if 1 not in fired:  # rank 0 fired first; rank 1's stack came from torchrun's SIGTERM
+        assert "in at_step" in proc.stderr and "in _forward_backward" in proc.stderr, _tail(proc)
+    # From the injected hang to the first dump: the timeout plus the watchdog's poll.
     line = next(x for x in proc.stderr.splitlines() if "fault injection: hanging in step 3 at" in x)
     hang_at = float(line.rsplit(" ", 1)[1])
-    exited = os.path.getmtime(os.path.join(run, "hang_rank1.txt"))
-    assert timeout_s <= exited - hang_at < timeout_s + 3, exited - hang_at
+    exited = min(os.path.getmtime(reports[r]) for r in fired)
+    assert timeout_s - 0.5 <= exited - hang_at < timeout_s + 3, exited - hang_at
     assert max(read_metrics(run)) == 2  # steps 1-2 logged, then nothing
-    print(f"hang watchdog: dump and exit {exited - hang_at:.2f} s after the hang (timeout {timeout_s} s), "
-          f"job exited after {seconds:.1f} s")
+    print(f"hang watchdog: rank(s) {fired} dumped and exited {exited - hang_at:.2f} s after the hang "
+          f"(timeout {timeout_s} s), job exited after {seconds:.1f} s")
 
 
 @slow
