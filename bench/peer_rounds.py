@@ -6,6 +6,14 @@ goes first (ours in even rounds, the peer in odd ones), so that load from anythi
 machine falls on both alike; the ratio is ours / peer in samples per second, the median over
 rounds, beside the ratio of each side's best round (other load only ever slows a round, so on a
 shared VM the best rounds are the steadier estimate when medians drift between runs).
+
+`--split` adds what bounds the ratio: both sides run the same ATen kernels for their matmuls,
+attention and activations, at the same shapes where the dimensions match. A profile of a few
+steps per side gives each side's time in those shared kernels and in everything else; the peer's
+step time over our shared-kernel time is the ratio ours would reach if everything else of our
+step took no time at all, and the peer's step time over the peer's shared-kernel time is the
+ratio if, besides, our shared kernels ran no slower than the peer's. A target above both
+cannot be reached by removing overhead, only with fewer FLOPs or faster kernels.
 """
 from __future__ import annotations
 
@@ -87,6 +95,46 @@ def alternate(ours, peer, rounds: int, steps: int, clock: str = "wall", warmup: 
             "rounds_ours": rates["ours"], "rounds_peer": rates["peer"]}
 
 
+# The kernels both sides call for the same work: GEMMs, CPU attention forward/backward, activations.
+SHARED_KERNELS = frozenset({
+    "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+    "aten::gelu", "aten::gelu_backward", "aten::silu", "aten::silu_backward"})
+
+
+def kernel_split(side, steps: int, clock: str = "wall") -> dict:
+    """One side's step time under torch.profiler (`clock`) and the self time of SHARED_KERNELS
+    in it, per step; the profiler's own overhead inflates both sides alike."""
+    from torch.profiler import ProfilerActivity, profile
+    tick = CLOCKS[clock]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = tick()
+        for _ in range(steps):
+            side.step()
+        total_s = (tick() - t0) / steps
+    by_name: dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.key in SHARED_KERNELS:
+            by_name[e.key] = e.self_cpu_time_total / 1e6 / steps
+    return {"step_s": total_s, "shared_kernels_s": sum(by_name.values()), "by_kernel_s": by_name}
+
+
+def split_ceilings(ours: dict, peer: dict) -> dict:
+    """The two bounds on ours/peer that removing overhead cannot pass (module docstring)."""
+    return {"ceiling_no_overhead": peer["step_s"] / ours["shared_kernels_s"],
+            "ceiling_peer_kernels": peer["step_s"] / peer["shared_kernels_s"]}
+
+
+def split_line(ours: dict, peer: dict) -> str:
+    c = split_ceilings(ours, peer)
+    return (f"      split (profiled, ms/step): ours {1e3 * ours['step_s']:.1f} of which shared kernels "
+            f"{1e3 * ours['shared_kernels_s']:.1f} ({ours['shared_kernels_s'] / ours['step_s']:.0%}); peer "
+            f"{1e3 * peer['step_s']:.1f}, shared kernels {1e3 * peer['shared_kernels_s']:.1f} "
+            f"({peer['shared_kernels_s'] / peer['step_s']:.0%}). Ceiling with no other work on our side "
+            f"{c['ceiling_no_overhead']:.2f}x; with, besides, the peer's kernel times {c['ceiling_peer_kernels']:.2f}x")
+
+
 def add_arguments(p: argparse.ArgumentParser, *, configs: str, batch: int, json_name: str, root: str) -> None:
     """The options every peer bench has."""
     p.add_argument("--configs", default=configs, help="comma-separated config names")
@@ -95,6 +143,9 @@ def add_arguments(p: argparse.ArgumentParser, *, configs: str, batch: int, json_
     p.add_argument("--steps", type=int, default=0, help="steps per side per round (0: the config's default)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help=CLOCK_HELP)
+    p.add_argument("--split", action="store_true",
+                   help="also profile each side and print the time in kernels both sides share (GEMMs, "
+                        "attention, activations) and the ratios that removing overhead could at most reach")
     p.add_argument("overrides", nargs="*", help="config overrides for our side, e.g. parallel.compile=true")
     p.add_argument("--json", default=os.path.join(root, "bench", "results", json_name))
 

@@ -35,7 +35,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.peer_rounds import OursStep, add_arguments, alternate, optimizer_step, write_json  # noqa: E402
+from bench.peer_rounds import (OursStep, add_arguments, alternate, kernel_split, optimizer_step,  # noqa: E402
+                               split_ceilings, split_line, write_json)
 from common.config import build_config  # noqa: E402
 from pipelines.text2image import components  # noqa: E402
 from pipelines.text2image.config import T2IConfig  # noqa: E402
@@ -100,14 +101,19 @@ class Peer:
         return optimizer_step(self.model, self.opt, loss)
 
 
-def compare(name: str, batch: int, rounds: int, steps: int, overrides: list[str], clock: str = "wall") -> dict:
+def compare(name: str, batch: int, rounds: int, steps: int, overrides: list[str], clock: str = "wall",
+            split: bool = False) -> dict:
     torch.manual_seed(0)
     ours = Ours(CONFIGS[name] + overrides, batch)
     peer = Peer(ours)
     m = ours.model.cfg
-    return {"config": name, "hidden": m.hidden, "depth": m.depth, "heads": m.heads, "tokens": ours.comp.num_tokens,
+    row = {"config": name, "hidden": m.hidden, "depth": m.depth, "heads": m.heads, "tokens": ours.comp.num_tokens,
             "batch": batch, "params_ours": sum(q.numel() for q in ours.model.parameters()),
             "params_peer": peer.params, **alternate(ours, peer, rounds, steps, clock)}
+    if split:  # after the timed rounds: warm caches, and the profiler cannot disturb them
+        row["split_ours"], row["split_peer"] = kernel_split(ours, steps, clock), kernel_split(peer, steps, clock)
+        row.update(split_ceilings(row["split_ours"], row["split_peer"]))
+    return row
 
 
 def main() -> None:
@@ -120,12 +126,14 @@ def main() -> None:
         if name not in CONFIGS:
             p.error(f"unknown config {name!r}; choose from {sorted(CONFIGS)}")
         steps = args.steps or (8 if name == "demo" else 2)
-        r = compare(name, args.batch, args.rounds, steps, args.overrides, args.clock)
+        r = compare(name, args.batch, args.rounds, steps, args.overrides, args.clock, args.split)
         rows.append(r)
         print(f"{name:5} hidden {r['hidden']} depth {r['depth']} tokens {r['tokens']} batch {r['batch']}: "
               f"ours {r['ours_samples_per_s']:.1f} samples/s ({r['params_ours'] / 1e6:.2f}M params), "
               f"diffusers PixArt {r['peer_samples_per_s']:.1f} ({r['params_peer'] / 1e6:.2f}M): "
               f"ratio {r['ratio']:.2f}x (best rounds {r['ratio_best_rounds']:.2f}x)", flush=True)
+        if args.split:
+            print(split_line(r["split_ours"], r["split_peer"]), flush=True)
     write_json(args.json, args, rows)
 
 

@@ -74,6 +74,26 @@ def test_alternate_takes_medians_and_best_rounds(monkeypatch):
     assert out["ratio_best_rounds"] == pytest.approx(20 / 10)
 
 
+def test_kernel_split_counts_only_the_shared_kernels():
+    rounds = load_bench("peer_rounds")
+    import torch
+
+    class Side:
+        batch = 4
+
+        def step(self):
+            a = torch.randn(128, 128)
+            for _ in range(4):
+                a = torch.mm(a, a) / 128 + 1.0  # a shared kernel (mm) and glue (div, add)
+
+    out = rounds.kernel_split(Side(), steps=3)
+    assert set(out["by_kernel_s"]) == {"aten::mm"}
+    assert 0 < out["shared_kernels_s"] < out["step_s"]
+    # peer step 0.3 s of which 0.2 s shared; ours 0.25 s of which 0.15 s shared
+    c = rounds.split_ceilings({"step_s": 0.25, "shared_kernels_s": 0.15}, {"step_s": 0.3, "shared_kernels_s": 0.2})
+    assert c["ceiling_no_overhead"] == pytest.approx(2.0) and c["ceiling_peer_kernels"] == pytest.approx(1.5)
+
+
 def test_video_peer_has_our_dimensions():
     pytest.importorskip("diffusers")
     bench = load_bench("t2v_vs_diffusers")
