@@ -103,16 +103,16 @@ SHARED_KERNELS = frozenset({
     "aten::gelu", "aten::gelu_backward", "aten::silu", "aten::silu_backward"})
 
 
-def kernel_split(side, steps: int, clock: str = "wall") -> dict:
-    """One side's step time under torch.profiler (`clock`) and the self time of SHARED_KERNELS
-    in it, per step; the profiler's own overhead inflates both sides alike."""
+def kernel_split(side, steps: int) -> dict:
+    """One side's step time under torch.profiler and the self time of SHARED_KERNELS in it, per
+    step. Both are wall time, as the profiler times ops (the CPU clock would count every thread);
+    the profiler's own overhead inflates both sides alike."""
     from torch.profiler import ProfilerActivity, profile
-    tick = CLOCKS[clock]
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        t0 = tick()
+        t0 = time.perf_counter()
         for _ in range(steps):
             side.step()
-        total_s = (tick() - t0) / steps
+        total_s = (time.perf_counter() - t0) / steps
     by_name: dict[str, float] = {}
     for e in prof.key_averages():
         if e.key in SHARED_KERNELS:

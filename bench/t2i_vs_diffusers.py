@@ -111,7 +111,7 @@ def compare(name: str, batch: int, rounds: int, steps: int, overrides: list[str]
             "batch": batch, "params_ours": sum(q.numel() for q in ours.model.parameters()),
             "params_peer": peer.params, **alternate(ours, peer, rounds, steps, clock)}
     if split:  # after the timed rounds: warm caches, and the profiler cannot disturb them
-        row["split_ours"], row["split_peer"] = kernel_split(ours, steps, clock), kernel_split(peer, steps, clock)
+        row["split_ours"], row["split_peer"] = kernel_split(ours, steps), kernel_split(peer, steps)
         row.update(split_ceilings(row["split_ours"], row["split_peer"]))
     return row
 
