@@ -13,7 +13,8 @@ steps per side gives each side's time in those shared kernels and in everything 
 step time over our shared-kernel time is the ratio ours would reach if everything else of our
 step took no time at all, and the peer's step time over the peer's shared-kernel time is the
 ratio if, besides, our shared kernels ran no slower than the peer's. A target above both
-cannot be reached by removing overhead, only with fewer FLOPs or faster kernels.
+cannot be reached by removing overhead, only with fewer FLOPs or faster kernels. Each side's
+largest other ops are listed beside: where the rest of its step goes.
 """
 from __future__ import annotations
 
@@ -103,6 +104,9 @@ SHARED_KERNELS = frozenset({
     "aten::gelu", "aten::gelu_backward", "aten::silu", "aten::silu_backward"})
 
 
+TOP_OTHER = 6  # the largest non-shared ops listed per side: where the rest of a step goes
+
+
 def kernel_split(side, steps: int) -> dict:
     """One side's step time under torch.profiler and the self time of SHARED_KERNELS in it, per
     step. Both are wall time, as the profiler times ops (the CPU clock would count every thread);
@@ -114,10 +118,12 @@ def kernel_split(side, steps: int) -> dict:
             side.step()
         total_s = (time.perf_counter() - t0) / steps
     by_name: dict[str, float] = {}
+    other: dict[str, float] = {}
     for e in prof.key_averages():
-        if e.key in SHARED_KERNELS:
-            by_name[e.key] = e.self_cpu_time_total / 1e6 / steps
-    return {"step_s": total_s, "shared_kernels_s": sum(by_name.values()), "by_kernel_s": by_name}
+        (by_name if e.key in SHARED_KERNELS else other)[e.key] = e.self_cpu_time_total / 1e6 / steps
+    top_other = dict(sorted(other.items(), key=lambda kv: -kv[1])[:TOP_OTHER])
+    return {"step_s": total_s, "shared_kernels_s": sum(by_name.values()), "by_kernel_s": by_name,
+            "top_other_s": top_other}
 
 
 def split_ceilings(ours: dict, peer: dict) -> dict:
@@ -132,7 +138,10 @@ def split_line(ours: dict, peer: dict) -> str:
             f"{1e3 * ours['shared_kernels_s']:.1f} ({ours['shared_kernels_s'] / ours['step_s']:.0%}); peer "
             f"{1e3 * peer['step_s']:.1f}, shared kernels {1e3 * peer['shared_kernels_s']:.1f} "
             f"({peer['shared_kernels_s'] / peer['step_s']:.0%}). Ceiling with no other work on our side "
-            f"{c['ceiling_no_overhead']:.2f}x; with, besides, the peer's kernel times {c['ceiling_peer_kernels']:.2f}x")
+            f"{c['ceiling_no_overhead']:.2f}x; with, besides, the peer's kernel times {c['ceiling_peer_kernels']:.2f}x"
+            + "".join(f"\n      largest other ops, {name}: " + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in
+                                                                    side.get("top_other_s", {}).items())
+                      for name, side in (("ours", ours), ("peer", peer))))
 
 
 def add_arguments(p: argparse.ArgumentParser, *, configs: str, batch: int, json_name: str, root: str) -> None:

@@ -88,6 +88,7 @@ def test_kernel_split_counts_only_the_shared_kernels():
 
     out = rounds.kernel_split(Side(), steps=3)
     assert set(out["by_kernel_s"]) == {"aten::mm"}
+    assert {"aten::div", "aten::add"} <= set(out["top_other_s"]) and "aten::mm" not in out["top_other_s"]
     assert 0 < out["shared_kernels_s"] < out["step_s"]
     # peer step 0.3 s of which 0.2 s shared; ours 0.25 s of which 0.15 s shared
     c = rounds.split_ceilings({"step_s": 0.25, "shared_kernels_s": 0.15}, {"step_s": 0.3, "shared_kernels_s": 0.2})
