@@ -37,6 +37,23 @@ _STDERR_FD = 2  # the process's stderr even where sys.stderr was replaced by an 
 
 
 # --------------------------------------------------------------------------- hang watchdog
+_sigterm_dump_pid: int | None = None  # the process whose watchdog registered the SIGTERM dump
+
+
+def _drop_inherited_sigterm_dump() -> None:
+    # A process forked while a watchdog runs (a data-loader worker started at an epoch boundary)
+    # inherits the C handler; torchrun ends a rank's whole process group, and each such child
+    # would print its stacks too, burying the rank's own.
+    global _sigterm_dump_pid
+    if _sigterm_dump_pid is not None and _sigterm_dump_pid != os.getpid():
+        faulthandler.unregister(signal.SIGTERM)
+        _sigterm_dump_pid = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_inherited_sigterm_dump)
+
+
 class HangWatchdog:
     """beat(what) at each unit of progress; no beat for `timeout_s` seconds ends the process.
 
@@ -62,7 +79,9 @@ class HangWatchdog:
         self._dumps_on_sigterm = False
         if self.timeout_s > 0:
             if hasattr(faulthandler, "register") and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+                global _sigterm_dump_pid
                 faulthandler.register(signal.SIGTERM, file=_STDERR_FD, all_threads=True, chain=True)
+                _sigterm_dump_pid = os.getpid()
                 self._dumps_on_sigterm = True
             self._thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
             self._thread.start()
@@ -78,7 +97,10 @@ class HangWatchdog:
             self._thread.join()
             faulthandler.cancel_dump_traceback_later()
         if self._dumps_on_sigterm:
-            faulthandler.unregister(signal.SIGTERM)
+            global _sigterm_dump_pid
+            if _sigterm_dump_pid == os.getpid():
+                faulthandler.unregister(signal.SIGTERM)
+                _sigterm_dump_pid = None
             self._dumps_on_sigterm = False
 
     def _watch(self) -> None:

@@ -197,6 +197,32 @@ def test_watchdog_prints_stacks_when_the_launcher_ends_the_rank(tmp_path):
     assert not os.listdir(tmp_path)  # no hang report: nothing timed out
 
 
+def test_processes_forked_under_the_watchdog_do_not_print_on_sigterm(tmp_path):
+    """A data-loader worker forked while the watchdog runs: torchrun's SIGTERM to the rank's process
+    group ends it without a stack dump of its own (the rank's stacks stay the only ones)."""
+    script = textwrap.dedent(f"""
+        import os, signal, sys, time
+        from common.faults import HangWatchdog
+        wd = HangWatchdog(60.0, {str(tmp_path)!r}, rank=0)
+        def loader_worker_waiting():
+            time.sleep(60)
+        pid = os.fork()
+        if pid == 0:
+            loader_worker_waiting()
+            os._exit(0)
+        time.sleep(0.5)
+        os.kill(pid, signal.SIGTERM)
+        _, status = os.waitpid(pid, 0)
+        print("child", os.waitstatus_to_exitcode(status), flush=True)
+        wd.close()
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env(), capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert f"child {-signal.SIGTERM}" in proc.stdout, proc.stdout
+    assert "loader_worker_waiting" not in proc.stderr and "most recent call first" not in proc.stderr, proc.stderr
+
+
 # --------------------------------------------------------------------------- end to end
 slow = pytest.mark.slow  # the train CLI in subprocesses
 
