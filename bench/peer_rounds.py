@@ -132,15 +132,23 @@ def split_ceilings(ours: dict, peer: dict) -> dict:
             "ceiling_peer_kernels": peer["step_s"] / peer["shared_kernels_s"]}
 
 
-def split_line(ours: dict, peer: dict) -> str:
-    c = split_ceilings(ours, peer)
+def split_fields(ours, peer, steps: int) -> dict:
+    """--split's row fields: both sides' kernel_split and the ceilings. Run after the timed rounds
+    (warm caches, and the profiler cannot disturb them)."""
+    o, p = kernel_split(ours, steps), kernel_split(peer, steps)
+    return {"split_ours": o, "split_peer": p, **split_ceilings(o, p)}
+
+
+def split_line(row: dict) -> str:
+    ours, peer = row["split_ours"], row["split_peer"]
     return (f"      split (profiled, ms/step): ours {1e3 * ours['step_s']:.1f} of which shared kernels "
             f"{1e3 * ours['shared_kernels_s']:.1f} ({ours['shared_kernels_s'] / ours['step_s']:.0%}); peer "
             f"{1e3 * peer['step_s']:.1f}, shared kernels {1e3 * peer['shared_kernels_s']:.1f} "
             f"({peer['shared_kernels_s'] / peer['step_s']:.0%}). Ceiling with no other work on our side "
-            f"{c['ceiling_no_overhead']:.2f}x; with, besides, the peer's kernel times {c['ceiling_peer_kernels']:.2f}x"
-            + "".join(f"\n      largest other ops, {name}: " + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in
-                                                                    side.get("top_other_s", {}).items())
+            f"{row['ceiling_no_overhead']:.2f}x; with, besides, the peer's kernel times "
+            f"{row['ceiling_peer_kernels']:.2f}x"
+            + "".join(f"\n      largest other ops, {name}: "
+                      + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in side["top_other_s"].items())
                       for name, side in (("ours", ours), ("peer", peer))))
 
 

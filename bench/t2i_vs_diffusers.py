@@ -35,8 +35,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.peer_rounds import (OursStep, add_arguments, alternate, kernel_split, optimizer_step,  # noqa: E402
-                               split_ceilings, split_line, write_json)
+from bench.peer_rounds import (OursStep, add_arguments, alternate, optimizer_step, split_fields,  # noqa: E402
+                               split_line, write_json)
 from common.config import build_config  # noqa: E402
 from pipelines.text2image import components  # noqa: E402
 from pipelines.text2image.config import T2IConfig  # noqa: E402
@@ -110,9 +110,8 @@ def compare(name: str, batch: int, rounds: int, steps: int, overrides: list[str]
     row = {"config": name, "hidden": m.hidden, "depth": m.depth, "heads": m.heads, "tokens": ours.comp.num_tokens,
             "batch": batch, "params_ours": sum(q.numel() for q in ours.model.parameters()),
             "params_peer": peer.params, **alternate(ours, peer, rounds, steps, clock)}
-    if split:  # after the timed rounds: warm caches, and the profiler cannot disturb them
-        row["split_ours"], row["split_peer"] = kernel_split(ours, steps), kernel_split(peer, steps)
-        row.update(split_ceilings(row["split_ours"], row["split_peer"]))
+    if split:
+        row.update(split_fields(ours, peer, steps))
     return row
 
 
@@ -133,7 +132,7 @@ def main() -> None:
               f"diffusers PixArt {r['peer_samples_per_s']:.1f} ({r['params_peer'] / 1e6:.2f}M): "
               f"ratio {r['ratio']:.2f}x (best rounds {r['ratio_best_rounds']:.2f}x)", flush=True)
         if args.split:
-            print(split_line(r["split_ours"], r["split_peer"]), flush=True)
+            print(split_line(r), flush=True)
     write_json(args.json, args, rows)
 
 

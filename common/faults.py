@@ -40,14 +40,30 @@ _STDERR_FD = 2  # the process's stderr even where sys.stderr was replaced by an 
 _sigterm_dump_pid: int | None = None  # the process whose watchdog registered the SIGTERM dump
 
 
+def _register_sigterm_dump() -> bool:
+    """SIGTERM prints every thread's stack, then terminates as before; only where SIGTERM has no
+    handler. Returns whether it was registered."""
+    global _sigterm_dump_pid
+    if not hasattr(faulthandler, "register") or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        return False
+    faulthandler.register(signal.SIGTERM, file=_STDERR_FD, all_threads=True, chain=True)
+    _sigterm_dump_pid = os.getpid()
+    return True
+
+
+def _unregister_sigterm_dump() -> None:
+    global _sigterm_dump_pid
+    if _sigterm_dump_pid is not None:
+        faulthandler.unregister(signal.SIGTERM)
+        _sigterm_dump_pid = None
+
+
 def _drop_inherited_sigterm_dump() -> None:
     # A process forked while a watchdog runs (a data-loader worker started at an epoch boundary)
     # inherits the C handler; torchrun ends a rank's whole process group, and each such child
     # would print its stacks too, burying the rank's own.
-    global _sigterm_dump_pid
     if _sigterm_dump_pid is not None and _sigterm_dump_pid != os.getpid():
-        faulthandler.unregister(signal.SIGTERM)
-        _sigterm_dump_pid = None
+        _unregister_sigterm_dump()
 
 
 if hasattr(os, "register_at_fork"):
@@ -78,11 +94,7 @@ class HangWatchdog:
         self._thread = None
         self._dumps_on_sigterm = False
         if self.timeout_s > 0:
-            if hasattr(faulthandler, "register") and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
-                global _sigterm_dump_pid
-                faulthandler.register(signal.SIGTERM, file=_STDERR_FD, all_threads=True, chain=True)
-                _sigterm_dump_pid = os.getpid()
-                self._dumps_on_sigterm = True
+            self._dumps_on_sigterm = _register_sigterm_dump()
             self._thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
             self._thread.start()
 
@@ -97,10 +109,7 @@ class HangWatchdog:
             self._thread.join()
             faulthandler.cancel_dump_traceback_later()
         if self._dumps_on_sigterm:
-            global _sigterm_dump_pid
-            if _sigterm_dump_pid == os.getpid():
-                faulthandler.unregister(signal.SIGTERM)
-                _sigterm_dump_pid = None
+            _unregister_sigterm_dump()
             self._dumps_on_sigterm = False
 
     def _watch(self) -> None:
