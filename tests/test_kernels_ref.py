@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from common.kernels import (apply_rope, attention, attention_reference, layer_norm, modulate, mul_add,
+from common.kernels import (apply_rope, attention, attention_reference, gelu_tanh, layer_norm, modulate, mul_add,
                             norm_modulate, rms_norm, rms_norm_rope, rope_frequencies, use_backend)
 
 ATOL, RTOL = 1e-5, 1e-4
@@ -122,6 +122,56 @@ def test_mul_add_matches_addcmul_and_fp64_gradients(shapes):
     frozen = a.detach()
     mul_add(base, frozen, b).sum().backward()
     assert frozen.grad is None
+
+
+def _gelu_tanh_fp64(x):
+    """GELU's tanh approximation written out in float64 (no project code)."""
+    return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+def _gelu_inputs():
+    # Both tails (sigmoid saturates to 0 and 1, x^3 overflows fp32 past ~7e12) and the centre.
+    x = torch.cat([torch.linspace(-12, 12, 4001), torch.tensor([-1e4, -60.0, 60.0, 1e4, 1e13, -1e13])])
+    return x, torch.randn(x.shape)
+
+
+def test_gelu_tanh_sigmoid_form_matches_fp64():
+    # The form compiled CPU code uses, x * sigmoid(2c (x + 0.044715 x^3)), against the tanh formula
+    # in float64: value and gradient, absolute error within fp32 rounding of the result.
+    from common.kernels.gelu import gelu_tanh_sigmoid_form
+    x, upstream = _gelu_inputs()
+    xs = x.clone().requires_grad_()
+    y = gelu_tanh_sigmoid_form(xs)
+    y.backward(upstream)
+    xd = x.double().requires_grad_()
+    ref = _gelu_tanh_fp64(xd)
+    ref.backward(upstream.double())
+    scale = x.abs().clamp(min=1).double()  # the result is ~x for large x: compare relative there
+    assert ((y.detach().double() - ref.detach()) / scale).abs().max() < 1e-6
+    assert ((xs.grad.double() - xd.grad).abs()).max() < 1e-5
+    torch.testing.assert_close(gelu_tanh(x), torch.nn.functional.gelu(x, approximate="tanh"), rtol=0, atol=0)
+
+
+def test_gelu_tanh_compiled_on_cpu_writes_no_tanh():
+    # Under inductor on CPU, gelu_tanh compiles to the exp-based sigmoid form (tanh is several times
+    # slower there: bench/cpu_gelu.py), and its value and gradient match eager's.
+    from torch._inductor.utils import run_and_get_code
+    x, upstream = _gelu_inputs()  # 4007 elements: a vectorised main loop and a scalar tail
+
+    def f(t):
+        y = gelu_tanh(t)
+        y.backward(upstream)
+        return y.detach(), t.grad
+
+    compiled = torch.compile(lambda t: gelu_tanh(t), backend="inductor", dynamic=False)
+    xc = x.clone().requires_grad_()
+    (yc,), code = run_and_get_code(lambda: (compiled(xc),))
+    yc.backward(upstream)
+    assert "tanh" not in "\n".join(code) and "exp" in "\n".join(code)
+    y_eager, g_eager = f(x.clone().requires_grad_())
+    scale = x.abs().clamp(min=1)
+    assert ((yc.detach() - y_eager) / scale).abs().max() < 2e-6
+    assert (xc.grad - g_eager).abs().max() < 2e-5
 
 
 def _norm_rope_fp64(x, w, cos, sin, eps=1e-6):

@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from common.kernels import swiglu
+from common.kernels import gelu_tanh, swiglu
 
 
 class MLP(nn.Module):
@@ -15,7 +14,7 @@ class MLP(nn.Module):
         self.fc2 = nn.Linear(hidden, out_dim or dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+        return self.fc2(gelu_tanh(self.fc1(x)))
 
 
 class SwiGLU(nn.Module):
