@@ -8,8 +8,8 @@ rounds, beside the ratio of each side's best round (other load only ever slows a
 shared VM the best rounds are the steadier estimate when medians drift between runs).
 
 `--split` adds what bounds the ratio: both sides run the same ATen kernels for their matmuls,
-attention and activations, at the same shapes where the dimensions match. A profile of a few
-steps per side gives each side's time in those shared kernels and in everything else; the peer's
+attention and activations, at the same shapes where the dimensions match. Timing every ATen op
+of a few steps per side (a dispatch-mode timer, eager only) gives each side's time in those shared kernels and in everything else; the peer's
 step time over our shared-kernel time is the ratio ours would reach if everything else of our
 step took no time at all, and the peer's step time over the peer's shared-kernel time is the
 ratio if, besides, our shared kernels ran no slower than the peer's. A target above both
@@ -19,12 +19,14 @@ largest other ops are listed beside: where the rest of its step goes.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 CLOCK_HELP = ("wall: elapsed time (the default; what a user waits). cpu: this process's CPU time, which "
@@ -107,23 +109,44 @@ SHARED_KERNELS = frozenset({
 TOP_OTHER = 6  # the largest non-shared ops listed per side: where the rest of a step goes
 
 
+class _OpTimer(TorchDispatchMode):
+    """Wall time per ATen op (as "aten::<name>") of everything dispatched on this thread, forward
+    and backward alike (autograd runs a CPU graph's backward on the thread that calls it). Ops
+    reach the mode after autograd and composite decomposition, and an op's own callees do not
+    re-enter it, so each op is timed once, inclusive. Costs ~10 us per op: ~6% of a demo step,
+    where torch.profiler inflated the step 1.6-2.3x on an AMD VM (and its shares with it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seconds: dict[str, float] = collections.defaultdict(float)
+        self.calls: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        t0 = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        name = f"aten::{func.overloadpacket.__name__}"
+        self.seconds[name] += time.perf_counter() - t0
+        self.calls[name] += 1
+        return out
+
+
 def kernel_split(side, steps: int) -> dict:
-    """One side's step time under torch.profiler and the self time of SHARED_KERNELS in it, per
-    step. Both are wall time, as the profiler times ops (the CPU clock would count every thread);
-    the profiler's own overhead inflates both sides alike."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    """One side's step time under _OpTimer and the time of SHARED_KERNELS in it, per step, both
+    wall time (the CPU clock would count every thread). Eager only: dynamo cannot run compiled
+    code under a Python dispatch mode."""
+    timer = _OpTimer()
+    with timer:
         t0 = time.perf_counter()
         for _ in range(steps):
             side.step()
         total_s = (time.perf_counter() - t0) / steps
     by_name: dict[str, float] = {}
     other: dict[str, float] = {}
-    for e in prof.key_averages():
-        (by_name if e.key in SHARED_KERNELS else other)[e.key] = e.self_cpu_time_total / 1e6 / steps
+    for name, seconds in timer.seconds.items():
+        (by_name if name in SHARED_KERNELS else other)[name] = seconds / steps
     top_other = dict(sorted(other.items(), key=lambda kv: -kv[1])[:TOP_OTHER])
     return {"step_s": total_s, "shared_kernels_s": sum(by_name.values()), "by_kernel_s": by_name,
-            "top_other_s": top_other}
+            "other_ops_s": sum(other.values()), "top_other_s": top_other}
 
 
 def split_ceilings(ours: dict, peer: dict) -> dict:
@@ -134,21 +157,25 @@ def split_ceilings(ours: dict, peer: dict) -> dict:
 
 def split_fields(ours, peer, steps: int) -> dict:
     """--split's row fields: both sides' kernel_split and the ceilings. Run after the timed rounds
-    (warm caches, and the profiler cannot disturb them)."""
+    (warm caches, and the timer's overhead cannot disturb them)."""
+    if getattr(ours.cfg.parallel, "compile", False):
+        raise SystemExit("--split times eager ATen ops and cannot see inside compiled blocks: run it without "
+                         "parallel.compile=true")
     o, p = kernel_split(ours, steps), kernel_split(peer, steps)
     return {"split_ours": o, "split_peer": p, **split_ceilings(o, p)}
 
 
 def split_line(row: dict) -> str:
     ours, peer = row["split_ours"], row["split_peer"]
-    return (f"      split (profiled, ms/step): ours {1e3 * ours['step_s']:.1f} of which shared kernels "
+    return (f"      split (ops timed, ms/step): ours {1e3 * ours['step_s']:.1f} of which shared kernels "
             f"{1e3 * ours['shared_kernels_s']:.1f} ({ours['shared_kernels_s'] / ours['step_s']:.0%}); peer "
             f"{1e3 * peer['step_s']:.1f}, shared kernels {1e3 * peer['shared_kernels_s']:.1f} "
             f"({peer['shared_kernels_s'] / peer['step_s']:.0%}). Ceiling with no other work on our side "
             f"{row['ceiling_no_overhead']:.2f}x; with, besides, the peer's kernel times "
             f"{row['ceiling_peer_kernels']:.2f}x"
-            + "".join(f"\n      largest other ops, {name}: "
-                      + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in side["top_other_s"].items())
+            + "".join(f"\n      {name}: other ops {1e3 * side['other_ops_s']:.1f}, outside ops (Python, autograd, "
+                      f"the timer) {1e3 * (side['step_s'] - side['shared_kernels_s'] - side['other_ops_s']):.1f}; "
+                      "largest other ops: " + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in side["top_other_s"].items())
                       for name, side in (("ours", ours), ("peer", peer))))
 
 
@@ -161,7 +188,7 @@ def add_arguments(p: argparse.ArgumentParser, *, configs: str, batch: int, json_
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help=CLOCK_HELP)
     p.add_argument("--split", action="store_true",
-                   help="also profile each side and print the time in kernels both sides share (GEMMs, "
+                   help="also time each side's ATen ops (eager only) and print the time in kernels both sides share (GEMMs, "
                         "attention, activations) and the ratios that removing overhead could at most reach")
     p.add_argument("overrides", nargs="*", help="config overrides for our side, e.g. parallel.compile=true")
     p.add_argument("--json", default=os.path.join(root, "bench", "results", json_name))

@@ -90,9 +90,24 @@ def test_kernel_split_counts_only_the_shared_kernels():
     assert set(out["by_kernel_s"]) == {"aten::mm"}
     assert {"aten::div", "aten::add"} <= set(out["top_other_s"]) and "aten::mm" not in out["top_other_s"]
     assert 0 < out["shared_kernels_s"] < out["step_s"]
+    assert 0 < out["other_ops_s"] and out["shared_kernels_s"] + out["other_ops_s"] < out["step_s"]
     # peer step 0.3 s of which 0.2 s shared; ours 0.25 s of which 0.15 s shared
     c = rounds.split_ceilings({"step_s": 0.25, "shared_kernels_s": 0.15}, {"step_s": 0.3, "shared_kernels_s": 0.2})
     assert c["ceiling_no_overhead"] == pytest.approx(2.0) and c["ceiling_peer_kernels"] == pytest.approx(1.5)
+
+
+def test_op_timer_sees_backward_ops_once_each():
+    # The split's timer must count the backward's kernels (autograd runs them on this thread) and
+    # time each op once: linear decomposes to addmm forward, and its backward is two mm calls.
+    rounds = load_bench("peer_rounds")
+    import torch
+    lin = torch.nn.Linear(64, 32)
+    x = torch.randn(16, 64, requires_grad=True)
+    timer = rounds._OpTimer()
+    with timer:
+        lin(x).sum().backward()
+    assert timer.calls["aten::addmm"] == 1 and timer.calls["aten::mm"] == 2
+    assert "aten::linear" not in timer.calls and all(v >= 0 for v in timer.seconds.values())
 
 
 def test_video_peer_has_our_dimensions():
