@@ -205,6 +205,34 @@ def test_compile_falls_back_from_fullgraph_only_when_not_requested():
         strict[0](torch.ones(3))
 
 
+def test_compiled_blocks_get_trimmed_text_keys_in_one_graph():
+    # run_blocks drops the text keys no sample uses before the per-block compiled code (which
+    # cannot: a data-dependent length); the lengths a run sees (trimmed to 16 or 32, or padded up
+    # to 48) share one graph with a dynamic key length, and each output equals eager's.
+    torch._dynamo.reset()  # blocks share one code object with other tests' compiled DiTs
+    graph_inputs = []
+
+    def backend(gm, example_inputs):
+        graph_inputs.append([tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)])
+        return gm.forward
+
+    ref = _model()
+    model = copy.deepcopy(ref)
+    compile_blocks(model.blocks, backend=backend)
+    x, t, _, _, _ = _batch()
+    ctx = torch.randn(2, 40, 16, generator=torch.Generator().manual_seed(3))
+    for used, kept in ((5, 16), (20, 32), (40, 48)):
+        mask = torch.zeros(2, 40, dtype=torch.bool)
+        mask[0, :used] = True
+        mask[1, :3] = True
+        with torch.no_grad():
+            torch.testing.assert_close(model(x, t, ctx, mask), ref(x, t, ctx, mask), rtol=1e-5, atol=1e-6)
+    assert len(graph_inputs) == 1, graph_inputs
+    hidden = ref.cfg.hidden
+    assert (2, 16, hidden) in graph_inputs[0] and not any(s[1:] == (40, hidden) for s in graph_inputs[0])
+    torch._dynamo.reset()
+
+
 # Inductor fuses and reorders reductions (LayerNorm, softmax): results differ from eager in the
 # last bits. Gradients here span ~2e-4..0.3 in magnitude; measured max |diff| was 3e-8.
 COMPILE_RTOL, COMPILE_ATOL = 1e-5, 1e-6

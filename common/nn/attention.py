@@ -5,6 +5,8 @@ All attention math goes through common.kernels.attention.
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -75,7 +77,7 @@ def _all_true_on_cpu(flags: torch.Tensor) -> bool:
 CPU_KEY_MULTIPLE = 16
 
 
-def _trim_key_padding(context: torch.Tensor, context_mask: torch.Tensor | None):
+def trim_key_padding(context: torch.Tensor, context_mask: torch.Tensor | None):
     """Fit the key columns to what the batch uses (eager, plain CPU tensors): drop the trailing
     columns that no sample uses, then round the count up to a multiple of CPU_KEY_MULTIPLE,
     padding with masked zero keys where that passes the context's length.
@@ -84,8 +86,11 @@ def _trim_key_padding(context: torch.Tensor, context_mask: torch.Tensor | None):
     for T5) while most are far shorter; masked keys get zero attention weight and so zero
     gradient, so dropping or adding them changes nothing but rounding, and dropping saves their
     K/V projections, k-norm and attention columns. CPU only: on an accelerator the length would
-    be a host sync per block, and under compile a data-dependent shape. Within the block, so
-    stage I/O shapes (pipeline parallelism) stay fixed."""
+    be a host sync per block, and under compile a data-dependent shape. CrossAttention calls it
+    within the block, so stage I/O shapes (pipeline parallelism) stay fixed; DiTTrunk.run_blocks
+    calls it once before its blocks, so per-block compiled code gets the trimmed keys too. The
+    trimmed length is marked dynamic for dynamo, so the few lengths a run sees share one graph
+    instead of recompiling a block each."""
     if (context_mask is None or type(context) is not torch.Tensor or type(context_mask) is not torch.Tensor
             or context_mask.device.type != "cpu" or torch.compiler.is_compiling()):
         return context, context_mask
@@ -96,9 +101,14 @@ def _trim_key_padding(context: torch.Tensor, context_mask: torch.Tensor | None):
     if n == length:
         return context, context_mask
     if n > length:
-        return F.pad(context, (0, 0, 0, n - length)), F.pad(context_mask, (0, n - length), value=False)
-    # contiguous once here, or to_k and to_v would each copy the strided slice
-    return context[:, :n].contiguous(), context_mask[:, :n]
+        context, context_mask = F.pad(context, (0, 0, 0, n - length)), F.pad(context_mask, (0, n - length), value=False)
+    else:  # contiguous: to_k and to_v would each copy a strided slice, and a compiled block
+        # would recompile when a padded (contiguous) mask follows a sliced one
+        context, context_mask = context[:, :n].contiguous(), context_mask[:, :n].contiguous()
+    if "torch._dynamo" in sys.modules:  # never imported: nothing is compiled
+        torch._dynamo.maybe_mark_dynamic(context, 1)
+        torch._dynamo.maybe_mark_dynamic(context_mask, 1)
+    return context, context_mask
 
 
 class CrossAttention(nn.Module):
@@ -124,7 +134,7 @@ class CrossAttention(nn.Module):
         d = self.head_dim
         if context_mask is not None:
             context_mask = context_mask.bool()
-        context, context_mask = _trim_key_padding(context, context_mask)
+        context, context_mask = trim_key_padding(context, context_mask)
         q = self.q_norm(_heads(self.to_q(x), d))
         k, v = self.k_norm(_heads(self.to_k(context), d)), _heads(self.to_v(context), d)
         mask, any_valid = None, None

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import nn
 
+from .attention import trim_key_padding
 from .dit_block import DiTBlock, FinalLayer, reset_dit_parameters
 from .embed import CaptionProjection, TimestepEmbedder
 
@@ -105,6 +106,9 @@ class DiTTrunk(nn.Module):
         return self.t_block(temb), temb, self.caption_proj(context.to(dtype))
 
     def run_blocks(self, h, t0, ctx, context_mask, rope) -> torch.Tensor:
+        # The text keys no sample uses are dropped once here, outside per-block compiled code,
+        # which cannot (a data-dependent length); eager blocks then find nothing left to trim.
+        ctx, context_mask = trim_key_padding(ctx, context_mask)
         for block in self.blocks:
             h = block(h, t0, ctx, context_mask, rope)
         return h
