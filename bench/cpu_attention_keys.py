@@ -42,7 +42,13 @@ def time_keys(batch: int, heads: int, queries: int, head_dim: int, keys: int, us
     def step():
         F.scaled_dot_product_attention(q, k, v, attn_mask=mask).backward(grad)
 
-    step()
+    return best_ms(step, repeats, calls)
+
+
+def best_ms(step, repeats: int, calls: int, warmup: int = 1) -> float:
+    """Best mean ms per call of `step` over `repeats` runs of `calls` calls, after `warmup` calls."""
+    for _ in range(warmup):
+        step()
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()

@@ -15,13 +15,13 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.cpu_attention_keys import best_ms  # noqa: E402
 from common.kernels.gelu import gelu_tanh_sigmoid_form  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,19 +32,11 @@ def aten_gelu(x):
     return F.gelu(x, approximate="tanh")
 
 
-def best_ms(fn, x, grad, repeats: int, calls: int) -> float:
+def fwd_bwd(fn, x, grad):
     def step():
         fn(x).backward(grad)
         x.grad = None
-    step()
-    step()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            step()
-        best = min(best, (time.perf_counter() - t0) / calls)
-    return best * 1e3
+    return step
 
 
 def main() -> None:
@@ -63,7 +55,7 @@ def main() -> None:
         grad = torch.randn(shape)
         ref = aten_gelu(x.detach().double())
         calls = 20 if name == "demo" else 3
-        ms = {k: best_ms(f, x, grad, args.repeats, calls) for k, f in impls.items()}
+        ms = {k: best_ms(fwd_bwd(f, x, grad), args.repeats, calls, warmup=2) for k, f in impls.items()}
         with torch.no_grad():
             err = {k: (f(x.detach()).double() - ref).abs().max().item() for k, f in impls.items()}
         base = ms["compiled sigmoid form"]

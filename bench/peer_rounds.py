@@ -114,7 +114,7 @@ class _OpTimer(TorchDispatchMode):
     and backward alike (autograd runs a CPU graph's backward on the thread that calls it). Ops
     reach the mode after autograd and composite decomposition, and an op's own callees do not
     re-enter it, so each op is timed once, inclusive. Costs ~10 us per op: ~6% of a demo step,
-    where torch.profiler inflated the step 1.6-2.3x on an AMD VM (and its shares with it)."""
+    where torch.profiler inflated the step 1.9-2.3x on an AMD VM (and its shares with it)."""
 
     def __init__(self):
         super().__init__()
