@@ -9,10 +9,11 @@ shared VM the best rounds are the steadier estimate when medians drift between r
 
 `--split` adds what bounds the ratio: both sides run the same ATen kernels for their matmuls,
 attention and activations, at the same shapes where the dimensions match. Timing every ATen op
-of a few steps per side (a dispatch-mode timer, eager only) gives each side's time in those shared kernels and in everything else; the peer's
-step time over our shared-kernel time is the ratio ours would reach if everything else of our
-step took no time at all, and the peer's step time over the peer's shared-kernel time is the
-ratio if, besides, our shared kernels ran no slower than the peer's. A target above both
+of a few steps per side (a dispatch-mode timer, eager only) gives each side's time in those
+shared kernels and in everything else; the peer's step time over our shared-kernel time is the
+ratio ours would reach if everything else of our step took no time at all, and the peer's step
+time over the peer's shared-kernel time is the ratio if, besides, our shared kernels ran no
+slower than the peer's. A target above both
 cannot be reached by removing overhead, only with fewer FLOPs or faster kernels. Each side's
 largest other ops are listed beside: where the rest of its step goes.
 """
@@ -155,12 +156,17 @@ def split_ceilings(ours: dict, peer: dict) -> dict:
             "ceiling_peer_kernels": peer["step_s"] / peer["shared_kernels_s"]}
 
 
+def check_split(ours) -> None:
+    """Exits (before the timed rounds) where --split cannot time our side: compiled blocks."""
+    if ours.cfg.parallel.compile:
+        raise SystemExit("--split times eager ATen ops and cannot see inside compiled blocks: run it without "
+                         "parallel.compile=true")
+
+
 def split_fields(ours, peer, steps: int) -> dict:
     """--split's row fields: both sides' kernel_split and the ceilings. Run after the timed rounds
     (warm caches, and the timer's overhead cannot disturb them)."""
-    if getattr(ours.cfg.parallel, "compile", False):
-        raise SystemExit("--split times eager ATen ops and cannot see inside compiled blocks: run it without "
-                         "parallel.compile=true")
+    check_split(ours)
     o, p = kernel_split(ours, steps), kernel_split(peer, steps)
     return {"split_ours": o, "split_peer": p, **split_ceilings(o, p)}
 
@@ -188,8 +194,9 @@ def add_arguments(p: argparse.ArgumentParser, *, configs: str, batch: int, json_
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help=CLOCK_HELP)
     p.add_argument("--split", action="store_true",
-                   help="also time each side's ATen ops (eager only) and print the time in kernels both sides share (GEMMs, "
-                        "attention, activations) and the ratios that removing overhead could at most reach")
+                   help="also time each side's ATen ops (eager only) and print the time in kernels both sides "
+                        "share (GEMMs, attention, activations) and the ratios that removing overhead could at most "
+                        "reach")
     p.add_argument("overrides", nargs="*", help="config overrides for our side, e.g. parallel.compile=true")
     p.add_argument("--json", default=os.path.join(root, "bench", "results", json_name))
 

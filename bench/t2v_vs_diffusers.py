@@ -34,8 +34,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.peer_rounds import (OursStep, add_arguments, alternate, optimizer_step, split_fields,  # noqa: E402
-                               split_line, write_json)
+from bench.peer_rounds import (OursStep, add_arguments, alternate, check_split, optimizer_step,  # noqa: E402
+                               split_fields, split_line, write_json)
 from common.config import build_config  # noqa: E402
 from pipelines.text2video import components  # noqa: E402
 from pipelines.text2video.config import T2VConfig  # noqa: E402
@@ -102,6 +102,8 @@ def compare(name: str, batch: int, rounds: int, steps: int, overrides: list[str]
             split: bool = False) -> dict:
     torch.manual_seed(0)
     ours = Ours(CONFIGS[name] + overrides, batch)
+    if split:
+        check_split(ours)
     peer = Peer(ours)
     m = ours.model.cfg
     row = {"config": name, "hidden": m.hidden, "depth": m.depth, "heads": m.heads, "tokens": m.num_tokens,
