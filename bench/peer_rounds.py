@@ -35,20 +35,26 @@ CLOCK_HELP = ("wall: elapsed time (the default; what a user waits). cpu: this pr
               "threads it also counts OpenMP spin-waits)")
 
 
-def optimizer_step(model, opt, loss) -> float:
-    """backward, gradient clipping at 1.0, the optimizer's step: what both sides do after the loss."""
+def optimizer_step(model, opt, loss, clip=torch.nn.utils.clip_grad_norm_) -> float:
+    """backward, gradient clipping at 1.0 (`clip(params, max_norm)`: torch's for a peer, the
+    trainer's for ours), the optimizer's step: what both sides do after the loss."""
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    clip(model.parameters(), 1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss.item()
 
 
+def _trainer_clip(params, max_norm: float) -> float:
+    from common.parallel.grads import clip_grads
+    return clip_grads([p for p in params if p.requires_grad], max_norm)
+
+
 class OursStep:
     """Our side: a pipeline's real training step (its components' prepare and criterion, the model,
-    per-block compile where the config asks, common.optim's AdamW, EMA). A subclass builds the
-    config and components, then calls this __init__, and gives make_batch(step) -> the loader's
-    batch dict."""
+    per-block compile where the config asks, the trainer's gradient clip, common.optim's AdamW,
+    EMA). A subclass builds the config and components, then calls this __init__, and gives
+    make_batch(step) -> the loader's batch dict."""
 
     def __init__(self, cfg, comp, make_step_fns, batch: int):
         from common.ema import EMA
@@ -68,7 +74,7 @@ class OursStep:
     def step(self) -> float:
         i = self.step_index
         inputs, target = self.prepare(self.make_batch(i))
-        loss = optimizer_step(self.model, self.opt, self.criterion(self.model(*inputs), target))
+        loss = optimizer_step(self.model, self.opt, self.criterion(self.model(*inputs), target), _trainer_clip)
         self.ema.update(i)
         self.step_index += 1
         return loss

