@@ -38,6 +38,42 @@ def test_attention_matches_fp64(ratio, causal, lq, lk):
         torch.testing.assert_close(attention(q, k, v, causal=causal).double(), ref, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("lk", [16, 64, 65])
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+def test_cpu_short_keys_take_math_and_match_fp64_with_grads(lk, mask_kind):
+    # At most 64 keys (CPU_MATH_MAX_KEYS; CPU, fp32) the plain path runs three ops instead of ATen's
+    # flash kernel (faster at these shapes); either side of the threshold matches float64 math,
+    # value and gradients, under a key padding mask.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = (t.requires_grad_() for t in _qkv(b=3, lq=20, lk=lk, d=32))
+    valid = torch.rand(3, lk) > 0.4
+    valid[:, 0] = True
+    mask = valid[:, None, None, :]
+    if mask_kind == "float":
+        mask = torch.zeros(mask.shape).masked_fill(~mask, -math.inf) + torch.rand(3, 1, 1, lk)
+    g = torch.randn(3, 4, 20, 32)
+    with Ops() as ops:
+        out = attention(q, k, v, attn_mask=mask)
+        grads = torch.autograd.grad(out, (q, k, v), g)
+    assert any("flash" in n for n in ops.names) == (lk > 64), ops.names  # CPU_MATH_MAX_KEYS
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, _ = attention_reference(qd, kd, vd, attn_mask=mask.double() if mask_kind == "float" else mask)
+    ref_grads = torch.autograd.grad(ref, (qd, kd, vd), g.double())
+    torch.testing.assert_close(out.double(), ref, atol=ATOL, rtol=RTOL)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got.double(), want, atol=ATOL, rtol=RTOL)
+
+
 def test_gqa_equals_repeated_kv():
     q, k, v = _qkv(h=8, hkv=2)
     full = attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1))
