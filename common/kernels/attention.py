@@ -92,8 +92,8 @@ def _math_attention(q, k, v, causal, attn_mask, scale, compute_dtype):
 
 # ATen's CPU flash kernel walks (query tile, key tile) pairs with a small GEMM call each; when
 # the keys are few its tiles are tiny and it loses to plain ops: two batched GEMMs and a softmax,
-# which Inductor fuses under compile. Forward + backward on 2 threads, fp32: the demo's shapes
-# (32 x 4 heads x 64 queries, head dim 32) 4.6 -> 2.3 ms with 16 keys and 5.4 -> 3.6 ms with 64;
+# which Inductor fuses under compile. Forward + backward, compiled, 2 threads, fp32: the demo's
+# shapes (32 x 4 heads x 64 queries, head dim 32) 4.6 -> 2.3 ms with 16 keys, 5.4 -> 3.6 ms with 64;
 # DiT-S cross-attention (6 heads x 256 queries, dim 64, 16 keys) 21 -> 15 ms; one thread breaks
 # even. At 256 keys flash wins (97 vs 159 ms), and its memory stays linear in the keys, so only
 # short key sequences take the math path: their scores (saved for backward) hold at most 64
