@@ -233,6 +233,33 @@ def test_compiled_blocks_get_trimmed_text_keys_in_one_graph():
     torch._dynamo.reset()
 
 
+def test_pipeline_stage_trims_text_keys_once_for_its_compiled_blocks():
+    # A pipeline stage runs its own block loop: it trims the keys as run_blocks does, so its
+    # compiled blocks see 16 keys of the 40, while its output matches the eager model's.
+    from common.nn.dit_parallel import DiTStage
+    torch._dynamo.reset()
+    graph_inputs = []
+
+    def backend(gm, example_inputs):
+        graph_inputs.append([tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)])
+        return gm.forward
+
+    ref = _model()
+    model = copy.deepcopy(ref)
+    compile_blocks(model.blocks, backend=backend)
+    stage = DiTStage(model, range(len(model.blocks)), first=True, last=True, grid=model.default_grid())
+    x, t, _, _, _ = _batch()
+    ctx = torch.randn(2, 40, 16, generator=torch.Generator().manual_seed(3))
+    mask = torch.zeros(2, 40, dtype=torch.bool)
+    mask[0, :5] = True
+    mask[1, :3] = True
+    with torch.no_grad():
+        torch.testing.assert_close(stage(x, t, ctx, mask), ref(x, t, ctx, mask), rtol=1e-5, atol=1e-6)
+    hidden = ref.cfg.hidden
+    assert graph_inputs and all((2, 16, hidden) in g and (2, 40, hidden) not in g for g in graph_inputs), graph_inputs
+    torch._dynamo.reset()
+
+
 # Inductor fuses and reorders reductions (LayerNorm, softmax): results differ from eager in the
 # last bits. Gradients here span ~2e-4..0.3 in magnitude; measured max |diff| was 3e-8.
 COMPILE_RTOL, COMPILE_ATOL = 1e-5, 1e-6
