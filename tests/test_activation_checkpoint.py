@@ -205,10 +205,8 @@ def test_compile_falls_back_from_fullgraph_only_when_not_requested():
         strict[0](torch.ones(3))
 
 
-def test_compiled_blocks_get_trimmed_text_keys_in_one_graph():
-    # run_blocks drops the text keys no sample uses before the per-block compiled code (which
-    # cannot: a data-dependent length); the lengths a run sees (trimmed to 16 or 32, or padded up
-    # to 48) share one graph with a dynamic key length, and each output equals eager's.
+def _eager_and_compiled_copy():
+    """(a DiT, a copy with compiled blocks, the tensor shapes each compiled block graph was traced with)."""
     torch._dynamo.reset()  # blocks share one code object with other tests' compiled DiTs
     graph_inputs = []
 
@@ -219,12 +217,26 @@ def test_compiled_blocks_get_trimmed_text_keys_in_one_graph():
     ref = _model()
     model = copy.deepcopy(ref)
     compile_blocks(model.blocks, backend=backend)
-    x, t, _, _, _ = _batch()
+    return ref, model, graph_inputs
+
+
+def _padded_text(used: int):
+    """40 text positions: sample 0 uses the first `used`, sample 1 the first 3."""
     ctx = torch.randn(2, 40, 16, generator=torch.Generator().manual_seed(3))
+    mask = torch.zeros(2, 40, dtype=torch.bool)
+    mask[0, :used] = True
+    mask[1, :3] = True
+    return ctx, mask
+
+
+def test_compiled_blocks_get_trimmed_text_keys_in_one_graph():
+    # run_blocks drops the text keys no sample uses before the per-block compiled code (which
+    # cannot: a data-dependent length); the lengths a run sees (trimmed to 16 or 32, or padded up
+    # to 48) share one graph with a dynamic key length, and each output equals eager's.
+    ref, model, graph_inputs = _eager_and_compiled_copy()
+    x, t, _, _, _ = _batch()
     for used in (5, 20, 40):  # keys kept: 16, 32, and 48 (padded past the context's 40)
-        mask = torch.zeros(2, 40, dtype=torch.bool)
-        mask[0, :used] = True
-        mask[1, :3] = True
+        ctx, mask = _padded_text(used)
         with torch.no_grad():
             torch.testing.assert_close(model(x, t, ctx, mask), ref(x, t, ctx, mask), rtol=1e-5, atol=1e-6)
     assert len(graph_inputs) == 1, graph_inputs
@@ -237,22 +249,10 @@ def test_pipeline_stage_trims_text_keys_once_for_its_compiled_blocks():
     # A pipeline stage runs its own block loop: it trims the keys as run_blocks does, so its
     # compiled blocks see 16 keys of the 40, while its output matches the eager model's.
     from common.nn.dit_parallel import DiTStage
-    torch._dynamo.reset()
-    graph_inputs = []
-
-    def backend(gm, example_inputs):
-        graph_inputs.append([tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)])
-        return gm.forward
-
-    ref = _model()
-    model = copy.deepcopy(ref)
-    compile_blocks(model.blocks, backend=backend)
+    ref, model, graph_inputs = _eager_and_compiled_copy()
     stage = DiTStage(model, range(len(model.blocks)), first=True, last=True, grid=model.default_grid())
     x, t, _, _, _ = _batch()
-    ctx = torch.randn(2, 40, 16, generator=torch.Generator().manual_seed(3))
-    mask = torch.zeros(2, 40, dtype=torch.bool)
-    mask[0, :5] = True
-    mask[1, :3] = True
+    ctx, mask = _padded_text(5)
     with torch.no_grad():
         torch.testing.assert_close(stage(x, t, ctx, mask), ref(x, t, ctx, mask), rtol=1e-5, atol=1e-6)
     hidden = ref.cfg.hidden
