@@ -105,10 +105,11 @@ class DiTTrunk(nn.Module):
             temb = temb + self.pooled_proj(masked_mean(context.to(dtype), context_mask))
         return self.t_block(temb), temb, self.caption_proj(context.to(dtype))
 
-    def run_blocks(self, h, t0, ctx, context_mask, rope) -> torch.Tensor:
+    def run_blocks(self, h, t0, ctx, context_mask, rope, blocks=None) -> torch.Tensor:
+        """Runs `blocks` (default: all; a pipeline stage passes its own) on the tokens h."""
         # The text keys no sample uses are dropped once here, outside per-block compiled code,
         # which cannot (a data-dependent length); eager blocks then find nothing left to trim.
         ctx, context_mask = trim_key_padding(ctx, context_mask)
-        for block in self.blocks:
+        for block in self.blocks if blocks is None else blocks:
             h = block(h, t0, ctx, context_mask, rope)
         return h

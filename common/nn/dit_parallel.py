@@ -36,8 +36,6 @@ from common.parallel.layouts import check_layout
 from common.parallel.parallel_model import ParallelModel
 from common.parallel.pipeline_parallel import PipelineRunner, split_layers, stage_ids
 
-from .attention import trim_key_padding
-
 
 def parallelize_dit(model, cfg, info: DistInfo, *, microbatches: int = 1, criterion=None,
                     name: str | None = None) -> ParallelModel:
@@ -136,11 +134,9 @@ class DiTStage(nn.Module):
         else:
             h, t0, temb, ctx, mask_f = args
         rope = dit.rope(*self.grid, h.device)
-        # Trimmed once per stage, as DiTTrunk.run_blocks does, so compiled blocks get the trimmed
-        # text keys too; the full-length ctx and mask travel on (stage I/O shapes stay fixed).
-        ctx_used, mask_used = trim_key_padding(ctx, mask_f > 0.5)
-        for block in self.blocks.values():
-            h = block(h, t0, ctx_used, mask_used, rope)
+        # run_blocks trims the text keys once for this stage's blocks (compiled ones too); the
+        # full-length ctx and mask travel on, so stage I/O shapes stay fixed.
+        h = dit.run_blocks(h, t0, ctx, mask_f > 0.5, rope, self.blocks.values())
         if self.last:
             return dit.head(h, temb, self.grid)
         # gloo sends only contiguous tensors
