@@ -5,7 +5,9 @@ Shared by bench/t2i_vs_diffusers.py and bench/t2v_vs_diffusers.py. A side is any
 goes first (ours in even rounds, the peer in odd ones), so that load from anything else on the
 machine falls on both alike; the ratio is ours / peer in samples per second, the median over
 rounds, beside the ratio of each side's best round (other load only ever slows a round, so on a
-shared VM the best rounds are the steadier estimate when medians drift between runs).
+shared VM the best rounds are the steadier estimate when medians drift between runs) and the
+quartiles of the rounds' own ratios (ours in a round over the peer's round beside it): the spread
+that one run's ratio carries.
 
 `--split` adds what bounds the ratio: both sides run the same ATen kernels for their matmuls,
 attention and activations, at the same shapes where the dimensions match. Timing every ATen op
@@ -102,7 +104,22 @@ def alternate(ours, peer, rounds: int, steps: int, clock: str = "wall", warmup: 
     o, p = statistics.median(rates["ours"]), statistics.median(rates["peer"])
     return {"clock": clock, "ours_samples_per_s": o, "peer_samples_per_s": p, "ratio": o / p,
             "ratio_best_rounds": max(rates["ours"]) / max(rates["peer"]),
+            "round_ratio_quartiles": _quartiles([a / b for a, b in zip(rates["ours"], rates["peer"])]),
             "rounds_ours": rates["ours"], "rounds_peer": rates["peer"]}
+
+
+def _quartiles(values: list[float]) -> list[float]:
+    # "inclusive": the quartiles stay within the values, however few rounds there are.
+    return statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
+
+
+def ratio_text(row: dict) -> str:
+    """The ratio as the benches print it: the median's, the best rounds', and the middle half of
+    the rounds' own ratios (each of our rounds over the peer's round beside it), which shows how
+    far one run's ratio can move on this machine."""
+    q1, _, q3 = row["round_ratio_quartiles"]
+    return (f"ratio {row['ratio']:.2f}x (best rounds {row['ratio_best_rounds']:.2f}x; "
+            f"middle half of the rounds {q1:.2f}-{q3:.2f}x)")
 
 
 # The kernels both sides call for the same work: GEMMs, CPU attention forward/backward, activations.

@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.peer_rounds import (OursStep, add_arguments, alternate, check_split, optimizer_step,  # noqa: E402
-                               split_fields, split_line, write_json)
+                               ratio_text, split_fields, split_line, write_json)
 from common.config import build_config  # noqa: E402
 from pipelines.text2video import components  # noqa: E402
 from pipelines.text2video.config import T2VConfig  # noqa: E402
@@ -128,7 +128,7 @@ def main() -> None:
         print(f"{name:5} hidden {r['hidden']} depth {r['depth']} tokens {r['tokens']} clip {r['clip']} batch "
               f"{r['batch']}: ours {r['ours_samples_per_s']:.1f} clips/s ({r['params_ours'] / 1e6:.2f}M params), "
               f"diffusers Wan {r['peer_samples_per_s']:.1f} ({r['params_peer'] / 1e6:.2f}M): "
-              f"ratio {r['ratio']:.2f}x (best rounds {r['ratio_best_rounds']:.2f}x)", flush=True)
+              + ratio_text(r), flush=True)
         if args.split:
             print(split_line(r), flush=True)
     write_json(args.json, args, rows)

@@ -72,6 +72,9 @@ def test_alternate_takes_medians_and_best_rounds(monkeypatch):
     out = rounds.alternate(ours, peer, rounds=3, steps=1, clock="fake", warmup=0)
     assert out["ratio"] == pytest.approx(10 / 10)
     assert out["ratio_best_rounds"] == pytest.approx(20 / 10)
+    # each round's own ratio: 10/10, 5/10, 20/4; their quartiles stay within them
+    assert out["round_ratio_quartiles"] == pytest.approx([0.75, 1.0, 3.0])
+    assert rounds.ratio_text(out) == "ratio 1.00x (best rounds 2.00x; middle half of the rounds 0.75-3.00x)"
 
 
 def test_kernel_split_counts_only_the_shared_kernels():
