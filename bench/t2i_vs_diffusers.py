@@ -16,7 +16,8 @@ forward/backward, MSE on the velocity, gradient clipping at 1.0, AdamW.
 The ratio printed is ours / peer in samples per second (median over rounds); > 1 means ours is
 faster. Beside it, the ratio of each side's best round: on a shared machine (a VM whose
 neighbours come and go) other load only ever slows a round, so the best rounds are the steadier
-estimate when the medians drift between runs. Configs: "demo" is the shipped tiny.yaml (hidden
+estimate when the medians drift between runs; last, the middle half of the rounds' own ratios
+(bench/peer_rounds.py). Configs: "demo" is the shipped tiny.yaml (hidden
 128, depth 4, 64 tokens); "S" is DiT-S (hidden 384, depth 12, 6 heads, patch 2 on 32 px: 256
 tokens, caption width 512).
 

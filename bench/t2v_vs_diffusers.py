@@ -17,7 +17,8 @@ forward/backward, MSE on the velocity, gradient clipping at 1.0, AdamW.
          are zero vectors and are attended to, where ours masks them), no EMA.
 
 The ratio printed is ours / peer in samples (clips) per second, the median over rounds, and the
-ratio of each side's best round; > 1 means ours is faster. Config "demo" is the shipped tiny.yaml
+ratio of each side's best round, and the middle half of the rounds' own ratios
+(bench/peer_rounds.py); > 1 means ours is faster. Config "demo" is the shipped tiny.yaml
 (8 frames of 32 px, patches 2x4x4: 256 tokens; hidden 128, depth 4, 4 heads; batch 16 as the
 demo trains). Where other load steals time (a shared VM), `--threads 1 --clock cpu` compares the
 work done.
