@@ -108,6 +108,26 @@ def test_more_local_ranks_than_gpus_is_refused():
     check_devices(env4, use_cuda=False, cuda_devices=0)  # CPU ranks share the host
 
 
+def test_nccl_group_is_bound_to_the_local_gpu(monkeypatch):
+    """On CUDA the group gets device_id = cuda:LOCAL_RANK (NCCL otherwise guesses the GPU from the
+    global rank); gloo gets none. The CUDA calls are stubbed: only the arguments are checked."""
+    import common.dist as cd
+    calls = []
+    monkeypatch.setattr(cd.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(cd.dist, "init_process_group", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(cd, "default_policy", lambda dev: None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
+    for k, v in {**TORCHRUN_ENV, "RANK": "6", "LOCAL_RANK": "2"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    info = cd.init_distributed(device="cuda")
+    assert calls == [{"backend": "nccl", "device_id": torch.device("cuda", 2)}] and info.device == calls[0]["device_id"]
+    calls.clear()
+    cd.init_distributed(device="cpu")
+    assert calls == [{"backend": "gloo"}]
+
+
 def test_entrypoint_refuses_bad_launcher_env_before_any_collective(synth_data, tmp_path):
     bad = {"WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "3",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}

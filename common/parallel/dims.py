@@ -141,10 +141,15 @@ class ParallelDims:
 
 
 def _init_single_process_group(device_type: str) -> None:
+    import torch
     import torch.distributed as dist
+
+    from common.dist import group_device_kwargs
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                                world_size=1)
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        dev = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                **group_device_kwargs(backend, dev))
 
 
 def _product_message(cfg, dp_shard: str, world_size: int, why: str) -> str:
