@@ -174,7 +174,7 @@ def main() -> int:
             limit = abs_bound if abs_rel is None else abs_rel * scale
             ok = finite and ek <= bound and ek <= limit
             results.append({"op": op, "case": case, "dtype": str(dtype).replace("torch.", ""), "what": name,
-                            "err_kernel": ek, "err_torch": et, "bound": bound, "ok": ok,
+                            "err_kernel": ek, "err_torch": et, "bound": bound, "abs_limit": limit, "ok": ok,
                             "seconds": round(time.perf_counter() - t0, 2)})
 
     eps = 1e-6
