@@ -140,12 +140,15 @@ def _per_attempt_store(env: LaunchEnv):
     return dist.PrefixStore(f"attempt_{env.restart_count}", store)
 
 
-def group_device_kwargs(backend: str, device: torch.device) -> dict:
-    """init_process_group's device_id for an NCCL group: it binds the group to this rank's GPU.
-    Without it NCCL guesses the GPU from the global rank ("can cause a hang if rank to GPU mapping
-    is heterogeneous") and barrier() warns that it picks the current device; both seen in the
-    first H200 run. gloo takes none."""
-    return {"device_id": device} if backend == "nccl" and device.type == "cuda" else {}
+def init_process_group_on(device: torch.device, **kwargs) -> None:
+    """init_process_group with the backend of `device` (nccl on CUDA, gloo otherwise); an NCCL
+    group is bound to that GPU (device_id). Without the binding NCCL guesses the GPU from the
+    global rank ("can cause a hang if rank to GPU mapping is heterogeneous") and barrier() warns
+    that it picks the current device; both seen in the first H200 run."""
+    if device.type == "cuda":
+        dist.init_process_group(backend="nccl", device_id=device, **kwargs)
+    else:
+        dist.init_process_group(backend="gloo", **kwargs)
 
 
 def init_distributed(device: str = "auto", precision=None) -> DistInfo:
@@ -163,11 +166,8 @@ def init_distributed(device: str = "auto", precision=None) -> DistInfo:
     backend = "nccl" if use_cuda else "gloo"
     if env.world_size > 1 and not dist.is_initialized():
         store = _per_attempt_store(env)
-        bind = group_device_kwargs(backend, dev)
-        if store is None:
-            dist.init_process_group(backend=backend, **bind)
-        else:
-            dist.init_process_group(backend=backend, store=store, rank=env.rank, world_size=env.world_size, **bind)
+        init_process_group_on(dev, **({} if store is None else
+                                      dict(store=store, rank=env.rank, world_size=env.world_size)))
     if env.launched and env.rank == 0:
         print(env.describe(backend if env.world_size > 1 else "none"), flush=True)
     policy = default_policy(dev) if precision is None else resolve_policy(precision, dev)

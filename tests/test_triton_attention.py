@@ -54,7 +54,8 @@ def _run_checker(device: str) -> dict[str, list[dict]]:
     splits = [["--groups", g] for g in CUDA_GROUPS] if device == "cuda" else [[]]
     procs = [subprocess.Popen(cmd + extra, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for extra in splits]
-    results: dict[str, list[dict]] = {"_proc": []}
+    results: dict[str, list[dict]] = {}
+    finished = []
     try:
         for proc in procs:
             out, err = proc.communicate(timeout=600)
@@ -62,13 +63,14 @@ def _run_checker(device: str) -> dict[str, list[dict]]:
                 if line.startswith("{"):
                     r = json.loads(line)
                     results.setdefault(r["group"], []).append(r)
-            results["_proc"].append(dict(rc=proc.returncode, stderr=err[-4000:]))
+            finished.append(dict(rc=proc.returncode, stderr=err[-4000:]))
     finally:
         for proc in procs:
             proc.kill()
-    if len(results) == 1:
+    if not results:
         raise AssertionError("checker produced no results:\n"
-                             + "\n".join(f"rc {p['rc']}: {p['stderr']}" for p in results["_proc"]))
+                             + "\n".join(f"rc {p['rc']}: {p['stderr']}" for p in finished))
+    results["_proc"] = finished
     return results
 
 

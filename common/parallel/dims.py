@@ -144,12 +144,10 @@ def _init_single_process_group(device_type: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from common.dist import group_device_kwargs
+    from common.dist import init_process_group_on
     if not dist.is_initialized():
-        backend = "nccl" if device_type == "cuda" else "gloo"
         dev = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                **group_device_kwargs(backend, dev))
+        init_process_group_on(dev, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def _product_message(cfg, dp_shard: str, world_size: int, why: str) -> str:
