@@ -28,6 +28,9 @@ fp8 rows add mfu_vs_fp8_peak.
   python bench/gpu_train_bench.py [--batch 128] [--time-budget 150] [--out FILE.json]
   python bench/gpu_train_bench.py --device cpu --size tiny     # fp32, seconds: exercises the code
                                                                # paths (fp8 converted with force=True)
+With --profile-steps N each variant also profiles N steps after its timing (torch.profiler) and
+records the device time per step by kernel category (GEMM, fp8 GEMM, attention, Triton/inductor,
+optimizer/reductions, other elementwise) with the top kernels: where, say, an fp8 step's time goes.
 The JSON is rewritten after every variant, so a run killed by a timeout keeps what it measured.
 """
 from __future__ import annotations
@@ -68,6 +71,9 @@ def parse_args(argv=None):
     ap.add_argument("--min-steps", type=int, default=3, help="timed steps even past the time budget")
     ap.add_argument("--time-budget", type=float, default=None,
                     help="seconds for all variants; the timed loop of each stops at its share")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="after timing, profile this many more steps per variant (torch.profiler) and record where "
+                         "the device time goes: per kernel category and the top kernels (row['profile'])")
     ap.add_argument("--no-fp8-compile", action="store_true", help="time the fp8 variants eagerly")
     ap.add_argument("--compile-backend", default="inductor",
                     help="torch.compile backend of the compiled variants (the CPU dry run uses aot_eager: the "
@@ -223,6 +229,8 @@ class Bench:
                         row["mfu_vs_fp8_peak"] = round(achieved / self.peak_fp8, 4)
                 if self.cuda:
                     row["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 2)
+                if self.args.profile_steps > 0:
+                    row["profile"] = self.profile(model, opt, params, batch, self.args.profile_steps)
                 if batch != self.batch:
                     row["note"] = f"batch halved from {self.batch} after out-of-memory"
                 return row
@@ -247,6 +255,36 @@ class Bench:
                 gc.collect()
                 if self.cuda:
                     torch.cuda.empty_cache()
+
+    def profile(self, model, opt, params, batch: int, steps: int) -> dict:
+        """Device time per step by kernel category, and the top kernels: where a variant's step goes."""
+        from torch.profiler import ProfilerActivity, profile
+        torch = self.torch
+        acts = [ProfilerActivity.CUDA] if self.cuda else [ProfilerActivity.CPU]
+        with profile(activities=acts) as prof:
+            for _ in range(steps):
+                self.train_step(model, opt, params, batch)
+            self.sync()
+        kernels = []
+        for e in prof.key_averages():
+            if self.cuda and e.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            t = getattr(e, "self_device_time_total", None) if self.cuda else e.self_cpu_time_total
+            if t is None:
+                t = getattr(e, "self_cuda_time_total", 0)
+            if t > 0:
+                kernels.append((e.key, t / 1e3 / steps, e.count // steps))
+        kernels.sort(key=lambda k: -k[1])
+        by_cat: dict[str, float] = {}
+        for name, ms, _ in kernels:
+            cat = kernel_category(name)
+            by_cat[cat] = by_cat.get(cat, 0.0) + ms
+        total = sum(by_cat.values())
+        return {"steps": steps, "unit": "ms per step" + ("" if self.cuda else " (CPU ops)"),
+                "total_ms": round(total, 2),
+                "by_category_ms": {k: round(v, 2) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
+                "top": [{"name": n[:160], "ms": round(ms, 3), "calls": c, "category": kernel_category(n)}
+                        for n, ms, c in kernels[:15]]}
 
     def ratios(self):
         by = {r["variant"]: r for r in self.rows if r.get("status") == "ok"}
@@ -275,6 +313,25 @@ class Bench:
             "ratio_note": "ratio_to_* compares samples/s (steps/s at equal batch) with that variant in this run",
             "variants": self.rows,
         }
+
+
+# Kernel-name fragments -> category, first match wins (cuBLAS/CUTLASS GEMMs, fp8 scaled GEMMs, the
+# attention kernels of SDPA's backends, Triton/inductor-generated kernels, the rest of ATen).
+CATEGORIES = (
+    ("fp8 gemm", ("f8f8", "e4m3", "e5m2", "fp8", "scaled_mm")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul", "addmm", "aten::mm", "aten::bmm")),
+    ("attention", ("flash", "fmha", "attention", "cudnn")),
+    ("triton / inductor", ("triton",)),
+    ("optimizer / norms / reductions", ("multi_tensor", "foreach", "reduce", "norm")),
+)
+
+
+def kernel_category(name: str) -> str:
+    low = name.lower()
+    for cat, frags in CATEGORIES:
+        if any(f in low for f in frags):
+            return cat
+    return "other elementwise / copies"
 
 
 def _jsonable(obj):
@@ -349,6 +406,10 @@ def main(argv=None) -> int:
             print(f"[{v}: {row['status']} in {time.monotonic() - t:.0f} s] "
                   + (f"{row.get('samples_per_s')} samples/s, mfu {row.get('mfu')}" if row["status"] == "ok"
                      else row.get("reason", "")), flush=True)
+            if row.get("profile"):
+                p = row["profile"]
+                print(f"[{v}: profile, {p['unit']}] total {p['total_ms']}: "
+                      + ", ".join(f"{k} {ms}" for k, ms in p["by_category_ms"].items()), flush=True)
             write(False)
         complete = True
     except KeyboardInterrupt:

@@ -19,7 +19,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMAGE_LIST = os.path.join(ROOT, "bench", "gpu_image_packages.txt")
-CUDA_STEPS = ("env", "tests", "kernels", "smoke")
+CUDA_STEPS = ("env", "tests", "kernels", "smoke", "lowp")
 VARIANTS = ("bf16", "compile", "fp8_tensorwise", "fp8_rowwise")
 
 needs_bash = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
@@ -73,6 +73,10 @@ def test_gpu_check_cpu_dry_run(tmp_path):
         else:  # fp8 without its module (or torchao): skipped, saying why
             assert r["status"] == "skipped" and r.get("reason"), r
     assert rows["bf16"]["status"] == "ok" and rows["compile"]["status"] == "ok"
+    # the per-variant profile (--profile-steps): categories add up to the total, and GEMMs are seen
+    prof = rows["bf16"]["profile"]
+    assert prof["total_ms"] > 0 and abs(sum(prof["by_category_ms"].values()) - prof["total_ms"]) < 0.05 * prof["total_ms"]
+    assert prof["by_category_ms"].get("gemm", 0) > 0 and prof["top"], prof
     assert rows["compile"]["ratio_to_bf16"] > 0
     assert bench["flops_source"].startswith("DiT.flops_per_sample")
 

@@ -1,0 +1,130 @@
+"""Low-precision training numerics: the same text2image run for N steps under each precision recipe,
+compared by the mean loss of the last 20 steps against a baseline recipe.
+
+Recipes: fp32, bf16 (autocast; CUDA only by default: CPU cores have no bf16 units), fp8 tensorwise
+and rowwise (torchao; GEMMs emulated on CPU), int8 (torch._int_mm), each with every candidate linear
+converted (precision.roofline=none): those of the transformer blocks (the default,
+precision.convert=blocks) or all of them. Same samples and noise in every run, so the loss gap is
+the recipe's numerics; the fp32-vs-bf16 gap on CUDA shows how far two precisions drift apart
+without any fp8. Step time is printed, but on CPU (emulation, no fp8 units) it says nothing about a
+GPU, and on CUDA the runs are eager (no compile), so gpu_train_bench.py is the speed measurement.
+
+  python bench/lowp_loss.py [--steps 200] [--config pipelines/text2image/configs/tiny.yaml]
+      [--size 32] [--recipes fp32,...] [--baseline fp32] [--set key=value ...] [--json PATH]
+
+On CPU the defaults are the tiny demo config, fp32 as the baseline and the fp8/int8 recipes; on
+CUDA fp32, bf16 (the baseline) and both fp8 scalings. A recipe that fails is recorded with its
+error and the others still run; the JSON is rewritten after each recipe.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The block linears are converted by default (precision.convert=blocks); "all linears" adds the
+# timestep/caption MLPs, the shared adaLN projection and the output layer.
+RECIPES = {"fp32": ["precision.compute=fp32"], "bf16": ["precision.compute=bf16"],
+           "fp8 tensorwise": ["precision.fp8=tensorwise"], "fp8 rowwise": ["precision.fp8=rowwise"],
+           "int8": ["precision.int8=true"],
+           "fp8 tensorwise, all linears": ["precision.fp8=tensorwise", "precision.convert=all"],
+           "fp8 rowwise, all linears": ["precision.fp8=rowwise", "precision.convert=all"],
+           "int8, all linears": ["precision.int8=true", "precision.convert=all"]}
+DEFAULT_RECIPES = {
+    "cpu": ["fp32", "fp8 tensorwise", "fp8 rowwise", "int8", "fp8 tensorwise, all linears",
+            "fp8 rowwise, all linears", "int8, all linears"],
+    # fp32 last: without tensor cores it is the slowest run, the one a time limit should cut
+    "cuda": ["bf16", "fp8 tensorwise", "fp8 rowwise", "fp32"],
+}
+LAST = 20  # steps averaged for the final loss
+
+
+def run(name: str, extra: list[str], args, data: str, work: str) -> dict:
+    run_dir = os.path.join(work, name.replace(" ", "_").replace(",", ""))
+    steps = args.steps
+    cmd = [sys.executable, "-m", "pipelines.text2image.train", "--config", args.config,
+           f"run.dir={run_dir}", f"data.train_shards={data}/train", f"data.eval_shards={data}/heldout",
+           f"train.steps={steps}", "train.log_every=1", f"train.ckpt_every={steps}", "sample.num=0",
+           "train.progress=false", "precision.roofline=none", *args.set, *extra]
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode:
+        tail = (proc.stdout[-1500:] + proc.stderr[-1500:]).strip()
+        return {"status": "failed", "error": tail.splitlines()[-1] if tail else f"rc {proc.returncode}",
+                "log_tail": tail}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
+    sps = sorted(r["samples_per_s"] for r in rows if "samples_per_s" in r)
+    converted = next((line for line in proc.stdout.splitlines() if "linears converted" in line), "")
+    last = [losses[s] for s in range(steps - LAST + 1, steps + 1) if s in losses]
+    return {"status": "ok", "final_loss": sum(last) / len(last), "median_samples_per_s": sps[len(sps) // 2],
+            "converted": converted, "wall_s": round(time.time() - t0, 1)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--config", default="pipelines/text2image/configs/tiny.yaml")
+    ap.add_argument("--size", type=int, default=32, help="synthetic image side (match the config's model.image_size)")
+    ap.add_argument("--count", type=int, default=2048, help="synthetic training samples (the loader repeats them)")
+    ap.add_argument("--recipes", default=None,
+                    help=f"comma-separated, of: {', '.join(RECIPES)} (default: per device, see the docstring)")
+    ap.add_argument("--baseline", default=None, help="recipe the others are compared with (default fp32 on CPU, bf16 on CUDA)")
+    ap.add_argument("--set", nargs="*", default=[], help="extra config overrides for every run (key=value)")
+    ap.add_argument("--data", default="", help="synthetic shards (default: generated into a temp dir)")
+    ap.add_argument("--json", default=os.path.join(ROOT, "bench", "results", "lowp_loss.json"))
+    args = ap.parse_args(argv)
+    import torch  # only to pick the device's defaults; the runs are subprocesses
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    names = args.recipes.split(",") if args.recipes else DEFAULT_RECIPES[device]
+    unknown = [n for n in names if n not in RECIPES]
+    if unknown:
+        ap.error(f"unknown recipe(s) {unknown}; known: {', '.join(RECIPES)}")
+    baseline = args.baseline or ("bf16" if device == "cuda" else "fp32")
+    if baseline not in names:
+        ap.error(f"--baseline {baseline} is not among the recipes {names}")
+    names = [baseline] + [n for n in names if n != baseline]
+    out = {"device": device, "config": args.config, "steps": args.steps, "baseline": baseline, "set": args.set,
+           "results": {}}
+
+    def write():
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+    with tempfile.TemporaryDirectory() as work:
+        data = args.data
+        if not data:
+            data = os.path.join(work, "synth")
+            subprocess.run([sys.executable, "-m", "data.synth", "--out", data, "--count", str(args.count),
+                            "--heldout-count", "64", "--size", str(args.size), "--no-progress"],
+                           cwd=ROOT, check=True, capture_output=True)
+        for name in names:
+            print(f"[lowp_loss] {name}: {args.steps} steps ...", flush=True)
+            r = run(name, RECIPES[name], args, data, work)
+            out["results"][name] = r
+            ref = out["results"][baseline]
+            if r["status"] == "ok" and ref["status"] == "ok":
+                r["loss_vs_baseline"] = r["final_loss"] / ref["final_loss"] - 1
+            print(f"[lowp_loss] {name}: " + json.dumps({k: v for k, v in r.items() if k != "log_tail"}), flush=True)
+            write()
+    print(f"\n| recipe ({os.path.basename(args.config)}, {args.steps} steps, {device}) | loss, mean of last {LAST} "
+          f"steps | vs {baseline} | samples/s |\n|---|---|---|---|")
+    for name, r in out["results"].items():
+        if r["status"] != "ok":
+            print(f"| {name} | failed: {r['error'][:120]} | | |")
+            continue
+        gap = "" if name == baseline or "loss_vs_baseline" not in r else f"{100 * r['loss_vs_baseline']:+.2f}%"
+        print(f"| {name} | {r['final_loss']:.4f} | {gap} | {r['median_samples_per_s']:.0f} |")
+    return 0 if all(r["status"] == "ok" for r in out["results"].values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
