@@ -10,11 +10,12 @@ without any fp8. Step time is printed, but on CPU (emulation, no fp8 units) it s
 GPU, and on CUDA the runs are eager (no compile), so gpu_train_bench.py is the speed measurement.
 
   python bench/lowp_loss.py [--steps 200] [--config pipelines/text2image/configs/tiny.yaml]
-      [--size 32] [--recipes fp32,...] [--baseline fp32] [--set key=value ...] [--json PATH]
+      [--size 32] [--recipes fp32,...] [--baseline fp32] [--set key=value ...] [--parallel N] [--json PATH]
 
 On CPU the defaults are the tiny demo config, fp32 as the baseline and the fp8/int8 recipes; on
-CUDA fp32, bf16 (the baseline) and both fp8 scalings. A recipe that fails is recorded with its
-error and the others still run; the JSON is rewritten after each recipe.
+CUDA fp32, bf16 (the baseline) and both fp8 scalings, all at once (--parallel: one such run keeps
+an H200 mostly idle). A recipe that fails is recorded with its error and the others still run; the
+JSON is rewritten as each recipe ends, so a run cut by a time limit keeps the finished ones.
 """
 from __future__ import annotations
 
@@ -44,27 +45,36 @@ DEFAULT_RECIPES = {
 LAST = 20  # steps averaged for the final loss
 
 
-def run(name: str, extra: list[str], args, data: str, work: str) -> dict:
-    run_dir = os.path.join(work, name.replace(" ", "_").replace(",", ""))
-    steps = args.steps
-    cmd = [sys.executable, "-m", "pipelines.text2image.train", "--config", args.config,
-           f"run.dir={run_dir}", f"data.train_shards={data}/train", f"data.eval_shards={data}/heldout",
-           f"train.steps={steps}", "train.log_every=1", f"train.ckpt_every={steps}", "sample.num=0",
-           "train.progress=false", "precision.roofline=none", *args.set, *extra]
-    t0 = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode:
-        tail = (proc.stdout[-1500:] + proc.stderr[-1500:]).strip()
-        return {"status": "failed", "error": tail.splitlines()[-1] if tail else f"rc {proc.returncode}",
-                "log_tail": tail}
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
-    sps = sorted(r["samples_per_s"] for r in rows if "samples_per_s" in r)
-    converted = next((line for line in proc.stdout.splitlines() if "linears converted" in line), "")
-    last = [losses[s] for s in range(steps - LAST + 1, steps + 1) if s in losses]
-    return {"status": "ok", "final_loss": sum(last) / len(last), "median_samples_per_s": sps[len(sps) // 2],
-            "converted": converted, "wall_s": round(time.time() - t0, 1)}
+class Run:
+    """One recipe's training run as a subprocess writing its own log and metrics."""
+
+    def __init__(self, name: str, args, data: str, work: str):
+        self.name, self.steps = name, args.steps
+        self.run_dir = os.path.join(work, name.replace(" ", "_").replace(",", ""))
+        cmd = [sys.executable, "-m", "pipelines.text2image.train", "--config", args.config,
+               f"run.dir={self.run_dir}", f"data.train_shards={data}/train", f"data.eval_shards={data}/heldout",
+               f"train.steps={self.steps}", "train.log_every=1", f"train.ckpt_every={self.steps}", "sample.num=0",
+               "train.progress=false", "precision.roofline=none", *args.set, *RECIPES[name]]
+        self.log_path = self.run_dir + ".log"
+        self.t0 = time.time()
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+    def result(self) -> dict:
+        with open(self.log_path, errors="replace") as f:
+            out = f.read()
+        if self.proc.returncode:
+            tail = out[-3000:].strip()
+            return {"status": "failed", "error": tail.splitlines()[-1] if tail else f"rc {self.proc.returncode}",
+                    "log_tail": tail}
+        with open(os.path.join(self.run_dir, "metrics.jsonl")) as f:
+            rows = [json.loads(line) for line in f]
+        losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
+        sps = sorted(r["samples_per_s"] for r in rows if "samples_per_s" in r)
+        converted = next((line for line in out.splitlines() if "linears converted" in line), "")
+        last = [losses[s] for s in range(self.steps - LAST + 1, self.steps + 1) if s in losses]
+        return {"status": "ok", "final_loss": sum(last) / len(last), "median_samples_per_s": sps[len(sps) // 2],
+                "converted": converted, "wall_s": round(time.time() - self.t0, 1)}
 
 
 def main(argv=None) -> int:
@@ -78,6 +88,9 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline", default=None, help="recipe the others are compared with (default fp32 on CPU, bf16 on CUDA)")
     ap.add_argument("--set", nargs="*", default=[], help="extra config overrides for every run (key=value)")
     ap.add_argument("--data", default="", help="synthetic shards (default: generated into a temp dir)")
+    ap.add_argument("--parallel", type=int, default=None,
+                    help="recipes run at once (default 1 on CPU; all of them on CUDA, where one such run leaves "
+                         "the GPU mostly idle)")
     ap.add_argument("--json", default=os.path.join(ROOT, "bench", "results", "lowp_loss.json"))
     args = ap.parse_args(argv)
     import torch  # only to pick the device's defaults; the runs are subprocesses
@@ -106,15 +119,31 @@ def main(argv=None) -> int:
             subprocess.run([sys.executable, "-m", "data.synth", "--out", data, "--count", str(args.count),
                             "--heldout-count", "64", "--size", str(args.size), "--no-progress"],
                            cwd=ROOT, check=True, capture_output=True)
-        for name in names:
-            print(f"[lowp_loss] {name}: {args.steps} steps ...", flush=True)
-            r = run(name, RECIPES[name], args, data, work)
-            out["results"][name] = r
-            ref = out["results"][baseline]
-            if r["status"] == "ok" and ref["status"] == "ok":
-                r["loss_vs_baseline"] = r["final_loss"] / ref["final_loss"] - 1
-            print(f"[lowp_loss] {name}: " + json.dumps({k: v for k, v in r.items() if k != "log_tail"}), flush=True)
+        parallel = max(1, args.parallel or (len(names) if device == "cuda" else 1))
+        pending, running = list(names), []
+        while pending or running:
+            while pending and len(running) < parallel:
+                name = pending.pop(0)
+                print(f"[lowp_loss] {name}: {args.steps} steps ...", flush=True)
+                running.append(Run(name, args, data, work))
+            done = [r for r in running if r.proc.poll() is not None]
+            if not done:
+                time.sleep(0.5)
+                continue
+            for run in done:
+                running.remove(run)
+                out["results"][run.name] = run.result()
+            ref = out["results"].get(baseline, {})
+            for name, r in out["results"].items():  # the baseline may finish after the others
+                if r["status"] == "ok" and ref.get("status") == "ok":
+                    r["loss_vs_baseline"] = r["final_loss"] / ref["final_loss"] - 1
+            for run in done:
+                r = out["results"][run.name]
+                print(f"[lowp_loss] {run.name}: " + json.dumps({k: v for k, v in r.items() if k != "log_tail"}),
+                      flush=True)
             write()
+        out["results"] = {n: out["results"][n] for n in names}
+        write()
     print(f"\n| recipe ({os.path.basename(args.config)}, {args.steps} steps, {device}) | loss, mean of last {LAST} "
           f"steps | vs {baseline} | samples/s |\n|---|---|---|---|")
     for name, r in out["results"].items():
