@@ -25,7 +25,8 @@
 #               tensorwise, fp8 rowwise and fp32: each recipe's mean loss of steps 181-200 against
 #               bf16's (the README's target: within 1%); eager, so its step times are not the speed
 #               measurement (step 4 is). The four recipes run at once: on an H200 one run alone
-#               took 90 s (bf16) to 150 s (fp8) at 4 steps/s or less, leaving the GPU mostly idle
+#               took 90 s (bf16) to 150 s (fp8), under 4 steps/s, far below what the GPU does at
+#               this size (where that time goes was not profiled)
 # Step 4 also profiles 2 steps of each variant (device time by kernel category, top kernels).
 # GPU_CHECK_SKIP="kernels train" skips steps by name (recorded as skipped), to spend a lease on the
 # others when those were measured already.

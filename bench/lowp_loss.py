@@ -13,9 +13,10 @@ GPU, and on CUDA the runs are eager (no compile), so gpu_train_bench.py is the s
       [--size 32] [--recipes fp32,...] [--baseline fp32] [--set key=value ...] [--parallel N] [--json PATH]
 
 On CPU the defaults are the tiny demo config, fp32 as the baseline and the fp8/int8 recipes; on
-CUDA fp32, bf16 (the baseline) and both fp8 scalings, all at once (--parallel: one such run keeps
-an H200 mostly idle). A recipe that fails is recorded with its error and the others still run; the
-JSON is rewritten as each recipe ends, so a run cut by a time limit keeps the finished ones.
+CUDA fp32, bf16 (the baseline) and both fp8 scalings, all at once (--parallel: one run of the
+B-sized config made under 4 steps/s on an H200, far below what the GPU does at that size). A
+recipe that fails is recorded with its error and the others still run; the JSON is rewritten as
+each recipe ends, so a run cut by a time limit keeps the finished ones.
 """
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ RECIPES = {"fp32": ["precision.compute=fp32"], "bf16": ["precision.compute=bf16"
 DEFAULT_RECIPES = {
     "cpu": ["fp32", "fp8 tensorwise", "fp8 rowwise", "int8", "fp8 tensorwise, all linears",
             "fp8 rowwise, all linears", "int8, all linears"],
-    # fp32 last: without tensor cores it is the slowest run, the one a time limit should cut
+    # fp32 last: without tensor cores it is the slowest run, the one a time limit cuts first when
+    # --parallel is below the number of recipes
     "cuda": ["bf16", "fp8 tensorwise", "fp8 rowwise", "fp32"],
 }
 LAST = 20  # steps averaged for the final loss
@@ -89,8 +91,8 @@ def main(argv=None) -> int:
     ap.add_argument("--set", nargs="*", default=[], help="extra config overrides for every run (key=value)")
     ap.add_argument("--data", default="", help="synthetic shards (default: generated into a temp dir)")
     ap.add_argument("--parallel", type=int, default=None,
-                    help="recipes run at once (default 1 on CPU; all of them on CUDA, where one such run leaves "
-                         "the GPU mostly idle)")
+                    help="recipes run at once (default 1 on CPU; all of them on CUDA, where one run alone is far "
+                         "from using the GPU)")
     ap.add_argument("--json", default=os.path.join(ROOT, "bench", "results", "lowp_loss.json"))
     args = ap.parse_args(argv)
     import torch  # only to pick the device's defaults; the runs are subprocesses
