@@ -206,6 +206,11 @@ def main():
 main()
 PYEOF
 rec() { "$REC_PY" "$WORK/report.py" step "$JSON" "$@" || log "could not record step $1"; }
+# a CUDA-only step: true when it runs; else recorded as skipped (no CUDA, or named in GPU_CHECK_SKIP)
+cuda_step() {
+  if [ "$CUDA" != 1 ]; then rec "$1" skipped 0 "no CUDA"; return 1; fi
+  if skipping "$1"; then rec "$1" skipped 0 "GPU_CHECK_SKIP"; return 1; fi
+}
 
 # ---- 0. wheels + python ----------------------------------------------------------------------------
 t0=$SECONDS
@@ -283,11 +288,7 @@ fi
 
 # ---- 2. native kernel tests ------------------------------------------------------------------------
 t0=$SECONDS
-if [ "$CUDA" != 1 ]; then
-  rec tests skipped 0 "no CUDA"
-elif skipping tests; then
-  rec tests skipped 0 "GPU_CHECK_SKIP"
-else
+if cuda_step tests; then
   tests=(tests/test_triton_ops.py tests/test_triton_attention.py)
   # megatron-core LM backend: logits of GPTModel vs our Llama, where the image has megatron-core
   "$PY" -c "import megatron.core" >/dev/null 2>&1 && [ -f tests/test_llama_megatron.py ] && tests+=(tests/test_llama_megatron.py)
@@ -305,11 +306,7 @@ fi
 
 # ---- 3. kernel benchmark ---------------------------------------------------------------------------
 t0=$SECONDS
-if [ "$CUDA" != 1 ]; then
-  rec kernels skipped 0 "no CUDA"
-elif skipping kernels; then
-  rec kernels skipped 0 "GPU_CHECK_SKIP"
-else
+if cuda_step kernels; then
   T=$(budget 90 $((170 + LOWP_MIN)))
   if [ "$T" -lt 40 ]; then
     rec kernels skipped 0 "time budget"
@@ -404,11 +401,7 @@ fi
 
 # ---- 6. fp8 numerics: 200 training steps per precision recipe ----------------------------------------
 t0=$SECONDS
-if [ "$CUDA" != 1 ]; then
-  rec lowp skipped 0 "no CUDA"
-elif skipping lowp; then
-  rec lowp skipped 0 "GPU_CHECK_SKIP"
-else
+if cuda_step lowp; then
   T=$(budget 600 0)
   if [ "$T" -lt 60 ]; then
     rec lowp skipped 0 "time budget ($T s left)"
