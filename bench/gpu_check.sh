@@ -30,6 +30,10 @@
 # Step 4 also profiles 2 steps of each variant (device time by kernel category, top kernels).
 # GPU_CHECK_SKIP="kernels train" skips steps by name (recorded as skipped), to spend a lease on the
 # others when those were measured already.
+# Time on an H200 (2026-12-04): wheels + env 26 s, tests 73, kernels ~90, train ~160 (its fp8 compiles
+# ~75 of that), smoke 57, lowp ~150-180 (not yet run with its recipes at once): ~600 s with every step,
+# more than the default 570 s, so the train step gets ~130 s and may lose its last variant. A lease
+# after one that measured the kernels passes GPU_CHECK_SKIP=kernels.
 # One summary table (step, status ok/failed/skipped/timeout, seconds, key numbers) ends the output.
 #
 # Results go to $OUT when set (the device tool's folder), else bench/results/gpu/: gpu_check.json
