@@ -71,6 +71,8 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import torch  # noqa: E402
 
+from common.parallel.dims import submesh  # noqa: E402
+
 MODEL = ["model.preset=tiny", "model.image_size=32", "model.patch_size=2", "model.hidden=256", "model.depth=4",
          "model.heads=8", "model.mlp_ratio=4.0", "text.width=64", "text.layers=1", "text.heads=2",
          "text.context_length=16"]
@@ -216,7 +218,7 @@ def _group_labels(mesh) -> dict[str, str]:
         return labels
     for dim in GROUP_LABELS:
         try:
-            m = mesh[dim]
+            m = submesh(mesh, dim)
         except Exception:  # noqa: BLE001 - a dim this mesh lacks
             continue
         if m.size() > 1:

@@ -35,7 +35,7 @@ from common.config import ConfigError
 from common.data.packing import segments_from_positions
 from common.dist import DistInfo
 from common.nn.dit_parallel import apply_block_options
-from common.parallel.dims import ParallelDims
+from common.parallel.dims import ParallelDims, submesh
 from common.parallel.layouts import check_layout
 from common.parallel.parallel_model import ParallelModel
 from common.parallel.pipeline_parallel import PipelineRunner, split_layers, stage_ids
@@ -67,7 +67,7 @@ def parallelize_vlm(model, cfg, info: DistInfo, *, microbatches: int = 1, criter
         apply_context_parallel(lm, mesh, dims)
     if dims.dp > 1:
         from common.parallel.balance import balanced_apply
-        group = mesh["dp"].get_group()
+        group = submesh(mesh, "dp").get_group()
         model.vision_dispatch = lambda fn, tiles: balanced_apply(fn, tiles, group)
     apply_block_options(lm.blocks, cfg)
     if dims.pp > 1:

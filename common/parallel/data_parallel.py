@@ -11,20 +11,22 @@ import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from common.parallel.dims import ParallelDims
+from common.parallel.dims import ParallelDims, submesh
 from common.precision.policy import PrecisionPolicy
 
 
 def apply_ddp(model: torch.nn.Module, mesh, device: torch.device) -> torch.nn.Module:
     ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=ids, process_group=mesh["dp"].get_group())
+    return DistributedDataParallel(model, device_ids=ids, process_group=submesh(mesh, "dp").get_group())
 
 
 def fsdp_mesh(mesh, dims: ParallelDims):
     """FSDP shards over dp_shard x cp; HSDP adds dp_replicate as the outer (replicating) dim."""
     if dims.dp_replicate > 1:
-        return mesh["dp_replicate", "dp_shard_cp"]
-    return mesh["dp_shard_cp"]
+        if dims.cp == 1:  # the same groups without the flattened dim (see dims.submesh)
+            return mesh["dp_replicate", "dp_shard"]
+        return mesh["dp_replicate", "dp_shard_cp"]  # HSDP x CP: still slices the flattened dim
+    return submesh(mesh, "dp_shard_cp")
 
 
 def fsdp_kwargs(precision: PrecisionPolicy | None, *, reshard_after_forward: bool = True,

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from common.config import ConfigError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# The flattened meshes (module docstring): name -> the mesh dims it spans, outermost first.
+FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
+             "dp_cp": ("dp_replicate", "dp_shard", "cp")}
 CP_MODES = ("ulysses", "ring", "hybrid")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 DP_MODES = ("auto", "none", "ddp", "fsdp")
@@ -134,10 +137,18 @@ class ParallelDims:
         shape = tuple(getattr(self, n) for n in MESH_DIMS)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
         # DeviceMesh._flatten is how torch itself builds multi-dim sub-meshes (HSDP, FSDP x CP).
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        for name, spans in FLATTENED.items():
+            mesh[spans]._flatten(name)
         return mesh
+
+
+def submesh(mesh, name: str):
+    """mesh[name] for a dim or a flattened mesh (FLATTENED) of build_mesh's mesh. A flattened one
+    is the mesh DeviceMesh._flatten registered (it returns it again), not a slice of the root by
+    the flattened name: torch deprecates that since 2.11 ("Slicing a flattened dim from root mesh")."""
+    if name in FLATTENED:
+        return mesh[FLATTENED[name]]._flatten(name)
+    return mesh[name]
 
 
 def _init_single_process_group(device_type: str) -> None:

@@ -7,7 +7,7 @@ from typing import Callable
 import torch
 
 from common.parallel.data_parallel import apply_data_parallel, unwrap
-from common.parallel.dims import ParallelDims
+from common.parallel.dims import ParallelDims, submesh
 from common.parallel.layouts import check_layout
 from common.parallel.pipeline_parallel import PipelineRunner
 
@@ -26,7 +26,7 @@ class ParallelModel:
 
     @property
     def dp_rank(self) -> int:
-        return 0 if self.mesh is None else self.mesh["dp"].get_local_rank()
+        return 0 if self.mesh is None else submesh(self.mesh, "dp").get_local_rank()
 
     @property
     def dp_size(self) -> int:

@@ -18,6 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from common.parallel.dims import submesh
 from common.plan.layout import Layout, rank_param_numel
 
 GROUP_DIMS = {"pp": ("pp",), "dp_replicate": ("dp_replicate",), "dp_shard": ("dp_shard",), "cp": ("cp",),
@@ -93,7 +94,7 @@ def inspect_rank(source, lay: Layout, rank: int, n_params: int = 4) -> dict:
     import torch.distributed as dist
     t0 = time.perf_counter()
     try:
-        # torch 2.14 warns that slicing flattened dims (how ParallelDims builds dp_shard_cp) will change
+        # HSDP x CP still slices a flattened dim from the root mesh (common.parallel.data_parallel.fsdp_mesh)
         warnings.filterwarnings("ignore", message="Slicing a flattened dim", category=UserWarning)
         pm = parallelize_rank(source, lay, rank)
         mesh = pm.mesh
@@ -109,7 +110,7 @@ def inspect_rank(source, lay: Layout, rank: int, n_params: int = 4) -> dict:
         for label, dims in GROUP_DIMS.items():
             if all(getattr(lay, d) == 1 for d in dims) or mesh is None:
                 continue
-            got = mesh[MESH_NAMES.get(label, dims[0])].mesh.flatten().tolist()
+            got = submesh(mesh, MESH_NAMES.get(label, dims[0])).mesh.flatten().tolist()
             groups[label] = (got, got == lay.group_ranks(rank, dims))
         stages = sorted(pm.pipeline.stage_ids) if pm.pipeline is not None else [0]
     finally:
