@@ -273,18 +273,17 @@ class Bench:
             if t is None:
                 t = getattr(e, "self_cuda_time_total", 0)
             if t > 0:
-                kernels.append((e.key, t / 1e3 / steps, e.count // steps))
+                kernels.append((e.key, t / 1e3 / steps, e.count // steps, kernel_category(e.key)))
         kernels.sort(key=lambda k: -k[1])
         by_cat: dict[str, float] = {}
-        for name, ms, _ in kernels:
-            cat = kernel_category(name)
+        for _, ms, _, cat in kernels:
             by_cat[cat] = by_cat.get(cat, 0.0) + ms
         total = sum(by_cat.values())
         return {"steps": steps, "unit": "ms per step" + ("" if self.cuda else " (CPU ops)"),
                 "total_ms": round(total, 2),
                 "by_category_ms": {k: round(v, 2) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
-                "top": [{"name": n[:160], "ms": round(ms, 3), "calls": c, "category": kernel_category(n)}
-                        for n, ms, c in kernels[:15]]}
+                "top": [{"name": n[:160], "ms": round(ms, 3), "calls": c, "category": cat}
+                        for n, ms, c, cat in kernels[:15]]}
 
     def ratios(self):
         by = {r["variant"]: r for r in self.rows if r.get("status") == "ok"}

@@ -140,15 +140,18 @@ def _per_attempt_store(env: LaunchEnv):
     return dist.PrefixStore(f"attempt_{env.restart_count}", store)
 
 
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
 def init_process_group_on(device: torch.device, **kwargs) -> None:
-    """init_process_group with the backend of `device` (nccl on CUDA, gloo otherwise); an NCCL
-    group is bound to that GPU (device_id). Without the binding NCCL guesses the GPU from the
-    global rank ("can cause a hang if rank to GPU mapping is heterogeneous") and barrier() warns
-    that it picks the current device; both seen in the first H200 run."""
+    """init_process_group with the backend of `device` (backend_for); an NCCL group is bound to
+    that GPU (device_id). Without the binding NCCL guesses the GPU from the global rank ("can
+    cause a hang if rank to GPU mapping is heterogeneous") and barrier() warns that it picks the
+    current device; both seen in the first H200 run."""
     if device.type == "cuda":
-        dist.init_process_group(backend="nccl", device_id=device, **kwargs)
-    else:
-        dist.init_process_group(backend="gloo", **kwargs)
+        kwargs["device_id"] = device
+    dist.init_process_group(backend=backend_for(device), **kwargs)
 
 
 def init_distributed(device: str = "auto", precision=None) -> DistInfo:
@@ -163,13 +166,12 @@ def init_distributed(device: str = "auto", precision=None) -> DistInfo:
         dev = torch.device("cuda", env.local_rank)
     else:
         dev = torch.device("cpu")
-    backend = "nccl" if use_cuda else "gloo"
     if env.world_size > 1 and not dist.is_initialized():
         store = _per_attempt_store(env)
         init_process_group_on(dev, **({} if store is None else
                                       dict(store=store, rank=env.rank, world_size=env.world_size)))
     if env.launched and env.rank == 0:
-        print(env.describe(backend if env.world_size > 1 else "none"), flush=True)
+        print(env.describe(backend_for(dev) if env.world_size > 1 else "none"), flush=True)
     policy = default_policy(dev) if precision is None else resolve_policy(precision, dev)
     return DistInfo(env.rank, env.world_size, env.local_rank, dev, policy)
 

@@ -23,9 +23,9 @@ def apply_ddp(model: torch.nn.Module, mesh, device: torch.device) -> torch.nn.Mo
 def fsdp_mesh(mesh, dims: ParallelDims):
     """FSDP shards over dp_shard x cp; HSDP adds dp_replicate as the outer (replicating) dim."""
     if dims.dp_replicate > 1:
-        if dims.cp == 1:  # the same groups without the flattened dim (see dims.submesh)
-            return mesh["dp_replicate", "dp_shard"]
-        return mesh["dp_replicate", "dp_shard_cp"]  # HSDP x CP: still slices the flattened dim
+        # Without CP, dp_shard is the shard dim itself; HSDP x CP still slices the flattened dim
+        # from the root, which torch deprecates (see dims.submesh)
+        return mesh["dp_replicate", "dp_shard" if dims.cp == 1 else "dp_shard_cp"]
     return submesh(mesh, "dp_shard_cp")
 
 
