@@ -20,25 +20,29 @@
 #   5. smoke    FSDP2 + bf16, one rank: the real train CLI (torchrun) on synthetic shards for 15
 #               steps with a checkpoint at step 10, "killed" at 15, then resumed (run.resume=auto)
 #               to step 20; checks the resume event in metrics.jsonl and the step-20 checkpoint
-#   6. lowp     bench/lowp_loss.py: fp8 numerics in training, the real train CLI on DiT-B/2-sized
-#               configs/base.yaml (64 px synthetic shapes, batch 64) for 200 steps in bf16, fp8
-#               tensorwise, fp8 rowwise and fp32: each recipe's mean loss of steps 181-200 against
-#               bf16's (the README's target: within 1%); eager, so its step times are not the speed
-#               measurement (step 4 is). The four recipes run at once: on an H200 one run alone
-#               took 90 s (bf16) to 150 s (fp8), under 4 steps/s, far below what the GPU does at
-#               this size (where that time goes was not profiled)
+#   6. profile  the real train CLI on DiT-B/2-sized configs/base.yaml (64 px synthetic shapes, batch
+#               64, bf16, eager, one process, 8 loader workers) for 60 steps, steps 41-43 under
+#               torch.profiler (train.profile_at): samples/s, input_frac (share of the step the host
+#               spent fetching and preparing batches), device-busy vs wall ms per step and the top
+#               kernels; profile_metrics.jsonl and profile_rank0.txt. One run of this config made
+#               under 4 steps/s on an H200, far below what the GPU does at this size
+#   7. lowp     bench/lowp_loss.py: fp8 numerics in training, the same config and data for 200
+#               steps in bf16, fp8 tensorwise, fp8 rowwise and fp32, all at once: each recipe's mean
+#               loss of steps 181-200 against bf16's (the README's target: within 1%); eager, so its
+#               step times are not the speed measurement (step 4 is)
 # Step 4 also profiles 2 steps of each variant (device time by kernel category, top kernels).
 # GPU_CHECK_SKIP="kernels train" skips steps by name (recorded as skipped), to spend a lease on the
 # others when those were measured already.
 # Time on an H200 (2026-12-04): wheels + env 26 s, tests 73, kernels ~90, train ~160 (its fp8 compiles
-# ~75 of that), smoke 57, lowp ~150-180 (not yet run with its recipes at once): ~600 s with every step,
-# more than the default 570 s, so the train step gets ~130 s and may lose its last variant. A lease
-# after one that measured the kernels passes GPU_CHECK_SKIP=kernels.
+# ~75 of that), smoke 57, profile and lowp not yet measured as they are now (lowp's recipes one after
+# another took 90-150 s each): more than the default 570 s with every step, so the train step gets
+# ~130 s and may lose its last variant. A lease after one that measured the kernels passes
+# GPU_CHECK_SKIP=kernels.
 # One summary table (step, status ok/failed/skipped/timeout, seconds, key numbers) ends the output.
 #
 # Results go to $OUT when set (the device tool's folder), else bench/results/gpu/: gpu_check.json
 # (per step: status, seconds, reason, key numbers), gpu_check.log (all output), kernels.json,
-# gpu_train_bench.json, smoke_metrics.jsonl. Checkpoints, shards and wheels stay in a temp dir.
+# gpu_train_bench.json, smoke_metrics.jsonl, profile_metrics.jsonl, profile_rank0.txt, lowp_loss.json. Checkpoints, shards and wheels stay in a temp dir.
 #
 # Without CUDA every step is skipped ("no CUDA") and the script exits 0; with
 # GPU_CHECK_CPU_DRYRUN=1 step 4 runs its tiny fp32 CPU variant instead (seconds), which is what
@@ -50,7 +54,8 @@ set -u -o pipefail
 cd "$(dirname "$0")/.."
 START=$SECONDS
 TOTAL=${GPU_CHECK_TOTAL_S:-570}
-LOWP_MIN=${GPU_CHECK_LOWP_MIN_S:-180}  # seconds the earlier steps leave for step 6
+LOWP_MIN=${GPU_CHECK_LOWP_MIN_S:-180}  # seconds the earlier steps leave for step 7
+PROFILE_MIN=60                         # ... and for step 6
 DRYRUN=${GPU_CHECK_CPU_DRYRUN:-0}
 RES=${OUT:-bench/results/gpu}
 mkdir -p "$RES" && RES=$(cd "$RES" && pwd)
@@ -157,6 +162,25 @@ def keys(kind, path):
             s += f", mfu {last['mfu']:.3g}"
         for k, v in twice.items():
             s += f"; step {k} loss killed/resumed {v[0]:.6g}/{v[-1]:.6g}"
+        return s, out
+    if kind == "profile":
+        lines = [json.loads(ln) for ln in open(path)] if os.path.exists(path) else []
+        steps = [r for r in lines if "samples_per_s" in r]
+        prof = next((r for r in lines if r.get("event") == "profile"), {})
+        # steady: neither the first logged window (start-up) nor the one holding the profiled steps
+        hit = next((r["step"] for r in steps if prof and r["step"] >= prof["steps"][1]), None)
+        steady = [r for r in steps[1:] if r["step"] != hit] or steps
+        mid = lambda xs: sorted(xs)[len(xs) // 2] if xs else None
+        out = {"samples_per_s": mid([r["samples_per_s"] for r in steady]),
+               "input_frac": mid([r.get("input_frac", 0.0) for r in steady]), "mfu": mid([r.get("mfu", 0.0) for r in steady]),
+               "wall_ms_per_step": prof.get("wall_ms_per_step"), "busy_ms_per_step": prof.get("busy_ms_per_step"),
+               "top_ms_per_step": prof.get("top_ms_per_step")}
+        if not steps:
+            return "", out
+        s = f"{out['samples_per_s']:.0f} samples/s, input_frac {out['input_frac']:.2f}"
+        if prof:
+            s += (f", profiled step: {'device' if prof['clock'] == 'device' else 'operators'} busy "
+                  f"{prof['busy_ms_per_step']:.0f} of {prof['wall_ms_per_step']:.0f} ms")
         return s, out
     if kind == "lowp":
         d = load(path)
@@ -296,7 +320,7 @@ if cuda_step tests; then
   tests=(tests/test_triton_ops.py tests/test_triton_attention.py)
   # megatron-core LM backend: logits of GPTModel vs our Llama, where the image has megatron-core
   "$PY" -c "import megatron.core" >/dev/null 2>&1 && [ -f tests/test_llama_megatron.py ] && tests+=(tests/test_llama_megatron.py)
-  T=$(budget 150 $((260 + LOWP_MIN)))
+  T=$(budget 150 $((260 + PROFILE_MIN + LOWP_MIN)))
   if [ "$T" -lt 20 ]; then
     rec tests skipped 0 "time budget"
   else
@@ -311,7 +335,7 @@ fi
 # ---- 3. kernel benchmark ---------------------------------------------------------------------------
 t0=$SECONDS
 if cuda_step kernels; then
-  T=$(budget 90 $((170 + LOWP_MIN)))
+  T=$(budget 90 $((170 + PROFILE_MIN + LOWP_MIN)))
   if [ "$T" -lt 40 ]; then
     rec kernels skipped 0 "time budget"
   else
@@ -329,7 +353,7 @@ t0=$SECONDS
 if [ "$CUDA" = 1 ] && skipping train; then
   rec train skipped 0 "GPU_CHECK_SKIP"
 elif [ "$CUDA" = 1 ]; then
-  T=$(budget 200 $((70 + LOWP_MIN)))
+  T=$(budget 200 $((70 + PROFILE_MIN + LOWP_MIN)))
   if [ "$T" -lt 60 ]; then
     rec train skipped 0 "time budget"
   else
@@ -363,7 +387,7 @@ if [ "$CUDA" != 1 ] && [ "${GPU_CHECK_CPU_SMOKE:-0}" != 1 ]; then
 elif skipping smoke; then
   rec smoke skipped 0 "GPU_CHECK_SKIP"
 else
-  T=$(budget 150 $LOWP_MIN)
+  T=$(budget 150 $((PROFILE_MIN + LOWP_MIN)))
   if [ "$T" -lt 45 ]; then
     rec smoke skipped 0 "time budget ($T s left)"
   else
@@ -378,7 +402,7 @@ else
     if ! timeout -k 5 30 "$PY" -m data.synth --out "$SYN" --count 640 --heldout-count 32 --shard-size 64 --no-progress; then
       status=failed reason="data.synth failed"
     else
-      T1=$(( ($(budget 150 $LOWP_MIN) * 55) / 100 ))
+      T1=$(( ($(budget 150 $((PROFILE_MIN + LOWP_MIN))) * 55) / 100 ))
       timeout -k 5 "$T1" "${TRAIN[@]}" "${ARGS[@]}" train.stop_after=15 2>&1 | tee "$WORK/smoke1.log"
       rc=$?
       if [ "$rc" != 0 ]; then
@@ -386,7 +410,7 @@ else
       elif [ "$(cat "$RUN/checkpoints/latest" 2>/dev/null)" != step_00000010 ]; then
         status=failed reason="after the first run checkpoints/latest is '$(cat "$RUN/checkpoints/latest" 2>/dev/null)', not step_00000010"
       else
-        T2=$(budget 150 $LOWP_MIN)
+        T2=$(budget 150 $((PROFILE_MIN + LOWP_MIN)))
         timeout -k 5 "$T2" "${TRAIN[@]}" "${ARGS[@]}" run.resume=auto 2>&1 | tee "$WORK/smoke2.log"
         rc=$?
         if [ "$rc" != 0 ]; then
@@ -403,16 +427,57 @@ else
   fi
 fi
 
-# ---- 6. fp8 numerics: 200 training steps per precision recipe ----------------------------------------
+# ---- 6. where the real train CLI's step goes: configs/base.yaml, bf16, one process, profiled ---------
+# synthetic shapes at 64 px, shared with step 7 (the dry run: 32 px for the tiny config)
+synth_into() { [ -d "$1/train" ] || timeout -k 5 60 "$PY" -m data.synth --out "$1" --count "$3" --heldout-count 64 \
+  --size "$2" --no-progress; }
+SYN64=$WORK/synth64
+t0=$SECONDS
+if [ "$CUDA" = 1 ] && skipping profile; then
+  rec profile skipped 0 "GPU_CHECK_SKIP"
+elif [ "$CUDA" = 1 ] || [ "$DRYRUN" = 1 ]; then
+  if [ "$CUDA" = 1 ]; then
+    PROF_DATA=$SYN64 PROF_SIZE=64 PROF_COUNT=2048 PROF_STEPS=60 PROF_AT=41 T=$(budget 120 $LOWP_MIN)
+    PROF_CONF=base PROF_EXTRA=()
+    PROF_WHAT="configs/base.yaml (bf16, eager, 8 loader workers)"
+  else  # the dry run: the same path on the tiny config in fp32
+    PROF_DATA=$WORK/synth32 PROF_SIZE=32 PROF_COUNT=256 PROF_STEPS=8 PROF_AT=5 T=120
+    PROF_CONF=tiny PROF_EXTRA=(data.num_workers=1 train.log_every=2)
+    PROF_WHAT="configs/tiny.yaml (CPU dry run, fp32)"
+  fi
+  if [ "$T" -lt 50 ]; then
+    rec profile skipped 0 "time budget ($T s left)"
+  elif ! synth_into "$PROF_DATA" $PROF_SIZE $PROF_COUNT; then
+    rec profile failed $((SECONDS - t0)) "data.synth --size $PROF_SIZE failed"
+  else
+    RUN=$WORK/profile
+    log "train CLI on $PROF_WHAT: $PROF_STEPS steps, steps $PROF_AT-$((PROF_AT + 2)) profiled (at most $T s)"
+    timeout -k 5 "$T" "$PY" -m pipelines.text2image.train --config "pipelines/text2image/configs/$PROF_CONF.yaml" "run.dir=$RUN" \
+      "data.train_shards=$PROF_DATA/train" "data.eval_shards=$PROF_DATA/heldout" train.steps=$PROF_STEPS \
+      train.log_every=10 train.ckpt_every=1000 train.progress=false sample.num=0 optim.warmup_steps=20 \
+      train.profile_at=$PROF_AT train.profile_count=3 ${PROF_EXTRA[@]+"${PROF_EXTRA[@]}"} 2>&1 | tee "$WORK/profile.log"
+    rc=$?
+    [ -f "$RUN/metrics.jsonl" ] && cp -f "$RUN/metrics.jsonl" "$RES/profile_metrics.jsonl"
+    [ -f "$RUN/profile/rank0.txt" ] && cp -f "$RUN/profile/rank0.txt" "$RES/profile_rank0.txt"
+    rec profile "$(status_of $rc)" $((SECONDS - t0)) "$([ $rc = 0 ] || echo "rc $rc: $(last_error "$WORK/profile.log")")" \
+      profile "$RUN/metrics.jsonl"
+  fi
+else
+  rec profile skipped 0 "no CUDA"
+fi
+
+# ---- 7. fp8 numerics: 200 training steps per precision recipe ----------------------------------------
 t0=$SECONDS
 if cuda_step lowp; then
   T=$(budget 600 0)
   if [ "$T" -lt 60 ]; then
     rec lowp skipped 0 "time budget ($T s left)"
+  elif ! synth_into "$SYN64" 64 2048; then
+    rec lowp failed $((SECONDS - t0)) "data.synth --size 64 failed"
   else
     log "bench/lowp_loss.py: configs/base.yaml, 200 steps per recipe, all at once (at most $T s; the JSON keeps finished recipes)"
     timeout -k 10 "$T" "$PY" bench/lowp_loss.py --config pipelines/text2image/configs/base.yaml --size 64 \
-      --count 2048 --steps 200 --set optim.warmup_steps=20 data.num_workers=3 --json "$RES/lowp_loss.json"
+      --data "$SYN64" --steps 200 --set optim.warmup_steps=20 data.num_workers=3 --json "$RES/lowp_loss.json"
     rc=$?
     rec lowp "$(status_of $rc)" $((SECONDS - t0)) "$([ $rc = 0 ] || echo "rc $rc (finished recipes kept)")" \
       lowp "$RES/lowp_loss.json"
@@ -423,8 +488,8 @@ fi
 # Exit 1 when a step that ran failed or timed out: every step on CUDA; without CUDA only the steps
 # asked for (the dry run's train bench, GPU_CHECK_CPU_SMOKE's smoke run), so a plain CPU run exits 0.
 code=0
-judged="wheels env tests kernels train smoke lowp"
-[ "$CUDA" = 1 ] || judged="$([ "$DRYRUN" = 1 ] && echo train) $([ "${GPU_CHECK_CPU_SMOKE:-0}" = 1 ] && echo smoke)"
+judged="wheels env tests kernels train smoke profile lowp"
+[ "$CUDA" = 1 ] || judged="$([ "$DRYRUN" = 1 ] && echo train profile) $([ "${GPU_CHECK_CPU_SMOKE:-0}" = 1 ] && echo smoke)"
 "$REC_PY" - "$JSON" $judged <<'PYEOF' || code=1
 import json, sys
 steps = json.load(open(sys.argv[1]))["steps"]

@@ -73,9 +73,11 @@ class Run:
             rows = [json.loads(line) for line in f]
         losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
         sps = sorted(r["samples_per_s"] for r in rows if "samples_per_s" in r)
+        input_frac = sorted(r["input_frac"] for r in rows if "input_frac" in r)
         converted = next((line for line in out.splitlines() if "linears converted" in line), "")
         last = [losses[s] for s in range(self.steps - LAST + 1, self.steps + 1) if s in losses]
         return {"status": "ok", "final_loss": sum(last) / len(last), "median_samples_per_s": sps[len(sps) // 2],
+                "median_input_frac": input_frac[len(input_frac) // 2] if input_frac else None,
                 "converted": converted, "wall_s": round(time.time() - self.t0, 1)}
 
 

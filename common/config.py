@@ -107,6 +107,11 @@ class TrainConfig:
                                  "for a known GPU, else a large matmul measured at start)")
     progress: bool = doc(True, "console progress bar with ETA")
     stop_after: int = doc(0, "stop (without final save) after this step; tests use it to simulate a kill")
+    profile_at: int = doc(0, "first step torch.profiler records (0: off), for train.profile_count steps: CPU "
+                             "and, on a GPU, CUDA activity; each rank writes run.dir/profile/rank<r>.txt "
+                             "(operators by self device time, or CPU time on CPU) and a Chrome trace "
+                             "rank<r>.json.gz (Perfetto, chrome://tracing)")
+    profile_count: int = doc(3, "steps recorded from train.profile_at on")
 
 
 @dataclass
@@ -251,13 +256,14 @@ def check_run_config(cfg, positive: dict, choices: dict) -> None:
         raise ConfigError(f"run.seed={cfg.run.seed} must be in [0, 2^63)")
     positive = {"data.micro_batch_size": cfg.data.micro_batch_size, "train.steps": tc.steps,
                 "train.grad_accum": tc.grad_accum, "train.log_every": tc.log_every,
-                "train.mtbf_hours": tc.mtbf_hours, **positive}
+                "train.mtbf_hours": tc.mtbf_hours, "train.profile_count": tc.profile_count, **positive}
     if tc.ckpt_every != "auto":
         positive["train.ckpt_every"] = tc.ckpt_every
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key}={value} must be > 0")
-    for key, value in {"train.hang_timeout_s": tc.hang_timeout_s, "train.straggler_every": tc.straggler_every}.items():
+    for key, value in {"train.hang_timeout_s": tc.hang_timeout_s, "train.straggler_every": tc.straggler_every,
+                       "train.profile_at": tc.profile_at}.items():
         if value < 0:
             raise ConfigError(f"{key}={value} must be >= 0 (0: off)")
     if tc.straggler_factor <= 1.0:

@@ -109,6 +109,62 @@ def memory_stats(device: torch.device) -> dict:
         return {}
 
 
+class StepProfiler:
+    """train.profile_at / profile_count: torch.profiler over steps [start, start + count), written per rank as a
+    table of operators by self time (device time on a GPU) and a Chrome trace. A run resumed past
+    `start` profiles nothing."""
+
+    TOP = 10  # operators named in the metrics.jsonl event
+
+    def __init__(self, window: tuple[int, int] | None, run_dir: str, rank: int, device: torch.device):
+        self.window, self.rank, self.device = window, rank, device
+        self.out_dir = os.path.join(run_dir, "profile")
+        self.prof = None
+
+    def before_step(self, step: int) -> None:
+        """`step`: the number of the step about to run (1-based)."""
+        if self.window is not None and step == self.window[0]:
+            from torch.profiler import ProfilerActivity, profile
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+            self.prof = profile(activities=activities, record_shapes=False)
+            self.prof.__enter__()
+            self.t0 = time.perf_counter()
+
+    def after_step(self, step: int) -> dict | None:
+        """Stops and writes once `step` is the window's last; returns the event to log."""
+        if self.prof is None or step != self.window[0] + self.window[1] - 1:
+            return None
+        prof, self.prof = self.prof, None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        wall_s = time.perf_counter() - self.t0
+        prof.__exit__(None, None, None)
+        os.makedirs(self.out_dir, exist_ok=True)
+        cuda = self.device.type == "cuda"
+        sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+        averages = prof.key_averages()
+        table = os.path.join(self.out_dir, f"rank{self.rank}.txt")
+        with open(table, "w") as f:
+            f.write(averages.table(sort_by=sort, row_limit=60) + "\n")
+        trace = os.path.join(self.out_dir, f"rank{self.rank}.json.gz")
+        prof.export_chrome_trace(trace)
+        steps = self.window[1]
+        per_step_ms = sorted(((getattr(e, sort) / 1e3 / steps, e.key) for e in averages), reverse=True)
+        # busy < wall: the device (on CPU: the profiled operators) waited for the host, the loader
+        # or a sync; on CPU other threads (loader workers, the main thread's Python) are not in busy
+        return {"event": "profile", "steps": [self.window[0], step], "clock": "device" if cuda else "cpu",
+                "wall_ms_per_step": round(1e3 * wall_s / steps, 3),
+                "busy_ms_per_step": round(sum(ms for ms, _ in per_step_ms), 3),
+                "table": table, "trace": trace,
+                "top_ms_per_step": [[name, round(ms, 3)] for ms, name in per_step_ms[:self.TOP]]}
+
+    def close(self) -> None:
+        """A run that ends inside the window still stops the profiler (nothing is written)."""
+        if self.prof is not None:
+            self.prof.__exit__(None, None, None)
+            self.prof = None
+
+
 class MetricsLogger:
     """Rank 0 writes; other ranks get a logger that does nothing."""
 

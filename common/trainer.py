@@ -26,7 +26,7 @@ from common.checkpoint import CheckpointManager, latest_complete
 from common.config import to_yaml
 from common.ema import EMA
 from common.faults import CheckpointInterval, FaultInjector, HangWatchdog, StragglerMonitor, interval_message
-from common.metrics import MetricsLogger, memory_stats, resolve_peak
+from common.metrics import MetricsLogger, StepProfiler, memory_stats, resolve_peak
 from common.optim import build_optimizer, lr_at
 from common.parallel.grads import clip_grads
 from common.parallel.parallel_model import ParallelModel
@@ -169,7 +169,8 @@ class Trainer:
         clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
         it = iter(self.loader)
         bad_in_row = 0
-        window_t0, window_samples, window_flops = time.perf_counter(), 0, 0.0
+        window_t0, window_samples, window_flops, window_input_s = time.perf_counter(), 0, 0.0, 0.0
+        profiler = StepProfiler((tc.profile_at, tc.profile_count) if tc.profile_at else None, cfg.run.dir, self.info.rank, self.info.device)
         watchdog = HangWatchdog(tc.hang_timeout_s, cfg.run.dir, self.info.rank)
         stragglers = StragglerMonitor(tc.straggler_every, tc.straggler_factor, self.info.world_size)
         interval = CheckpointInterval(tc.ckpt_every, tc.mtbf_hours, start_step=self.step)
@@ -177,6 +178,7 @@ class Trainer:
             while self.step < tc.steps:
                 watchdog.beat(f"step {self.step + 1}")
                 step_t0 = time.perf_counter()
+                profiler.before_step(self.step + 1)
                 lr = lr_at(self.step, tc.steps, cfg.optim)
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr
@@ -217,6 +219,13 @@ class Trainer:
                 self.samples_seen += step_samples
                 window_samples += step_samples
                 window_flops += step_flops
+                window_input_s += self.local_s
+                export_t0 = time.perf_counter()
+                profiled = profiler.after_step(self.step)
+                if profiled is not None:
+                    window_t0 += time.perf_counter() - export_t0  # writing the trace is not a step's time
+                    log.event(**profiled)
+                    log.message(f"profile of steps {profiled['steps'][0]}-{profiled['steps'][1]}: {profiled['table']}")
                 log.advance()
                 interval.add_step_time(self.step, time.perf_counter() - step_t0)
                 stragglers.add(self.local_s)
@@ -230,6 +239,7 @@ class Trainer:
                     scalars = {"loss": step_loss, "lr": lr, "grad_norm": grad_norm, "samples_per_s": sps,
                                "samples_seen": self.samples_seen, "skipped_steps": self.skipped_steps,
                                "corrupt_samples": self.corrupt_total,
+                               "input_frac": window_input_s / max(elapsed, 1e-9),
                                "epoch": getattr(self.loader, "epoch", 0), **memory_stats(self.info.device)}
                     if self.flops_fn:  # training ~ 3x the forward FLOPs
                         scalars["step_flops"] = 3.0 * step_flops
@@ -239,7 +249,7 @@ class Trainer:
                         if peak.matmul_flops and peak.matmul_flops != peak.flops:
                             scalars["mfu_matmul"] = achieved / peak.matmul_flops
                     log.log(self.step, scalars)
-                    window_t0, window_samples, window_flops = time.perf_counter(), 0, 0.0
+                    window_t0, window_samples, window_flops, window_input_s = time.perf_counter(), 0, 0.0, 0.0
                 if tc.stop_after and self.step == tc.stop_after:
                     log.message(f"stopping after step {self.step} (train.stop_after), as if killed")
                     log.close()
@@ -265,6 +275,7 @@ class Trainer:
             watchdog.beat("the last checkpoint's write")
             self.ckpt.wait()
         finally:
+            profiler.close()
             watchdog.close()
             log.close()
         return {"step": self.step, "skipped_steps": self.skipped_steps, "corrupt_samples": self.corrupt_total}

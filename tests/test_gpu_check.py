@@ -42,7 +42,7 @@ def _image_packages() -> dict[str, str | None]:
 
 
 @needs_bash
-@pytest.mark.slow  # ~40 s: four variants of the tiny DiT, the compiled one traced with aot_eager
+@pytest.mark.slow  # ~40-60 s: four variants of the tiny DiT (the compiled one traced with aot_eager), 8 profiled train steps
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour (a GPU runs the real steps)")
 def test_gpu_check_cpu_dry_run(tmp_path):
     out = tmp_path / "out"
@@ -57,7 +57,7 @@ def test_gpu_check_cpu_dry_run(tmp_path):
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["mode"] == "cpu-dryrun"
     steps = report["steps"]
-    assert set(steps) == {"wheels", *CUDA_STEPS, "train"}, steps.keys()
+    assert set(steps) == {"wheels", *CUDA_STEPS, "train", "profile"}, steps.keys()
     for name in CUDA_STEPS:
         assert steps[name]["status"] == "skipped" and "no CUDA" in steps[name]["reason"], (name, steps[name])
     assert steps["wheels"]["status"] in ("ok", "skipped"), steps["wheels"]
@@ -79,6 +79,15 @@ def test_gpu_check_cpu_dry_run(tmp_path):
     assert prof["by_category_ms"].get("gemm", 0) > 0 and prof["top"], prof
     assert rows["compile"]["ratio_to_bf16"] > 0
     assert bench["flops_source"].startswith("DiT.flops_per_sample")
+
+    # step 6 on the tiny config: the real train CLI with steps 5-7 under torch.profiler
+    assert steps["profile"]["status"] == "ok", steps["profile"]
+    data = steps["profile"]["data"]
+    assert data["samples_per_s"] > 0 and 0 < data["input_frac"] < 1, data
+    assert 0 < data["busy_ms_per_step"] < data["wall_ms_per_step"], data
+    assert "aten::addmm" in [name for name, _ in data["top_ms_per_step"]] or \
+        "aten::mm" in [name for name, _ in data["top_ms_per_step"]], data["top_ms_per_step"]
+    assert "Self CPU" in (out / "profile_rank0.txt").read_text()
 
     # the summary table: a header and one row per step, with its status
     text = proc.stdout

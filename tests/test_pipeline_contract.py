@@ -88,20 +88,20 @@ def vectors(tmp_path_factory):
     return str(root)
 
 
-def toy(command: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, TOY, command, *args], env=env(), cwd=ROOT, capture_output=True, text=True,
+def toy(command: str, *args: str, check: bool = True, extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, TOY, command, *args], env={**env(), **(extra_env or {})}, cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     if check and proc.returncode != 0:
         raise AssertionError(proc.stderr[-3000:])
     return proc
 
 
-def toy_train(run: str, data: str, *extra: str, check: bool = True):
+def toy_train(run: str, data: str, *extra: str, check: bool = True, extra_env: dict | None = None):
     return toy("train", f"run.dir={run}", f"data.train_shards={data}/train", f"data.eval_shards={data}/heldout",
                "data.micro_batch_size=8", "data.num_workers=0", "train.steps=6", "train.log_every=1",
                "train.ckpt_every=2", "train.progress=false", "train.ema_decay=0.9", "optim.lr=1e-2", "sample.num=4",
                "sample.steps=4", *extra,
-               check=check)
+               check=check, extra_env=extra_env)
 
 
 def losses(run: str) -> list[float]:
@@ -140,6 +140,33 @@ def test_one_process_asking_for_fsdp_gets_it(vectors, tmp_path):
     proc = toy_train(fsdp, vectors, "train.steps=3", "parallel.dp_mode=fsdp")
     assert "dp_mode=fsdp" in proc.stdout
     assert losses(fsdp) == losses(plain)
+
+
+def test_profiled_steps_are_written_and_train_as_unprofiled_ones(vectors, tmp_path):
+    plain, profiled = str(tmp_path / "plain"), str(tmp_path / "profiled")
+    toy_train(plain, vectors, "train.steps=4")
+    proc = toy_train(profiled, vectors, "train.steps=4", "train.profile_at=2", "train.profile_count=2")
+    assert losses(profiled) == losses(plain)
+    events = [json.loads(line) for line in open(os.path.join(profiled, "metrics.jsonl"))]
+    [event] = [e for e in events if e.get("event") == "profile"]
+    assert event["steps"] == [2, 3] and event["clock"] == "cpu"
+    assert 0 < event["busy_ms_per_step"] < event["wall_ms_per_step"]
+    table = open(os.path.join(profiled, "profile", "rank0.txt")).read()
+    assert "aten::addmm" in table and "aten::addmm" in [name for name, _ in event["top_ms_per_step"]]
+    assert os.path.getsize(os.path.join(profiled, "profile", "rank0.json.gz")) > 0
+    assert "profile of steps 2-3" in proc.stdout
+    proc = toy_train(str(tmp_path / "bad"), vectors, "train.profile_count=0", check=False)
+    assert proc.returncode == 2 and "train.profile_count=0 must be > 0" in proc.stderr
+
+
+def test_input_frac_is_the_share_of_time_spent_on_inputs(vectors, tmp_path):
+    """A rank that sleeps 0.3 s in its rank-local part of every step (as a starved loader would)
+    spends nearly all of a tiny model's step there."""
+    run = str(tmp_path / "slow")
+    toy_train(run, vectors, "train.steps=3", extra_env={"MMP_FAULT_SLOW_RANK": "0", "MMP_FAULT_SLOW_S": "0.3"})
+    rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    fracs = [r["input_frac"] for r in rows if "input_frac" in r]
+    assert len(fracs) == 3 and all(0.9 < f <= 1.0 for f in fracs), fracs
 
 
 def test_relaunch_with_another_model_keeps_the_run_config(vectors, tmp_path):
