@@ -459,6 +459,9 @@ elif [ "$CUDA" = 1 ] || [ "$DRYRUN" = 1 ]; then
     rc=$?
     [ -f "$RUN/metrics.jsonl" ] && cp -f "$RUN/metrics.jsonl" "$RES/profile_metrics.jsonl"
     [ -f "$RUN/profile/rank0.txt" ] && cp -f "$RUN/profile/rank0.txt" "$RES/profile_rank0.txt"
+    # the Chrome trace too while it is small enough to travel back (3 eager B-sized steps: a few MiB)
+    [ -f "$RUN/profile/rank0.json.gz" ] && [ "$(stat -c %s "$RUN/profile/rank0.json.gz")" -lt 20000000 ] \
+      && cp -f "$RUN/profile/rank0.json.gz" "$RES/profile_rank0.json.gz"
     rec profile "$(status_of $rc)" $((SECONDS - t0)) "$([ $rc = 0 ] || echo "rc $rc: $(last_error "$WORK/profile.log")")" \
       profile "$RUN/metrics.jsonl"
   fi
