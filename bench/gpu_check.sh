@@ -174,7 +174,7 @@ def keys(kind, path):
         out = {"samples_per_s": mid([r["samples_per_s"] for r in steady]),
                "input_frac": mid([r.get("input_frac", 0.0) for r in steady]), "mfu": mid([r.get("mfu", 0.0) for r in steady]),
                "wall_ms_per_step": prof.get("wall_ms_per_step"), "busy_ms_per_step": prof.get("busy_ms_per_step"),
-               "top_ms_per_step": prof.get("top_ms_per_step")}
+               "top_ms_per_step": prof.get("top_ms_per_step"), "spans_ms_per_step": prof.get("spans_ms_per_step")}
         if not steps:
             return "", out
         s = f"{out['samples_per_s']:.0f} samples/s, input_frac {out['input_frac']:.2f}"

@@ -109,6 +109,26 @@ def memory_stats(device: torch.device) -> dict:
         return {}
 
 
+def device_time(events) -> tuple[float, list[tuple[str, float]]]:
+    """From profiler events: microseconds the device was busy (the union of its kernel, memcpy
+    and memset intervals, so overlapping streams count once) and the device spans of user
+    annotations by name, longest first."""
+    intervals, spans = [], {}
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CPU:
+            continue
+        if e.is_user_annotation:
+            spans[e.name] = spans.get(e.name, 0.0) + e.time_range.elapsed_us()
+        else:
+            intervals.append((e.time_range.start, e.time_range.end))
+    busy, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return busy, sorted(spans.items(), key=lambda kv: -kv[1])
+
+
 class StepProfiler:
     """train.profile_at / profile_count: torch.profiler over steps [start, start + count), written per rank as a
     table of operators by self time (device time on a GPU) and a Chrome trace. A run resumed past
@@ -149,14 +169,22 @@ class StepProfiler:
         trace = os.path.join(self.out_dir, f"rank{self.rank}.json.gz")
         prof.export_chrome_trace(trace)
         steps = self.window[1]
-        per_step_ms = sorted(((getattr(e, sort) / 1e3 / steps, e.key) for e in averages), reverse=True)
+        # On a GPU a user annotation (Optimizer.step, FSDP::pre_forward, ...) also has a device row
+        # whose time is its span on the device, idle gaps included: not an operator's time.
+        per_step_ms = sorted(((getattr(e, sort) / 1e3 / steps, e.key) for e in averages
+                              if not (cuda and e.is_user_annotation)), reverse=True)
+        out = {"event": "profile", "steps": [self.window[0], step], "clock": "device" if cuda else "cpu",
+               "wall_ms_per_step": round(1e3 * wall_s / steps, 3), "table": table, "trace": trace}
         # busy < wall: the device (on CPU: the profiled operators) waited for the host, the loader
         # or a sync; on CPU other threads (loader workers, the main thread's Python) are not in busy
-        return {"event": "profile", "steps": [self.window[0], step], "clock": "device" if cuda else "cpu",
-                "wall_ms_per_step": round(1e3 * wall_s / steps, 3),
-                "busy_ms_per_step": round(sum(ms for ms, _ in per_step_ms), 3),
-                "table": table, "trace": trace,
-                "top_ms_per_step": [[name, round(ms, 3)] for ms, name in per_step_ms[:self.TOP]]}
+        if cuda:
+            busy_us, spans = device_time(prof.events())
+            out["busy_ms_per_step"] = round(busy_us / 1e3 / steps, 3)
+            out["spans_ms_per_step"] = [[name, round(us / 1e3 / steps, 3)] for name, us in spans[:self.TOP]]
+        else:
+            out["busy_ms_per_step"] = round(sum(ms for ms, _ in per_step_ms), 3)
+        out["top_ms_per_step"] = [[name, round(ms, 3)] for ms, name in per_step_ms[:self.TOP]]
+        return out
 
     def close(self) -> None:
         """A run that ends inside the window still stops the profiler (nothing is written)."""

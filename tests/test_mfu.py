@@ -76,3 +76,25 @@ def test_cpu_ranks_of_one_host_share_one_measurement():
     results = run_ranks(_two_ranks_measure, 2)
     # Local rank 0 measured once; rank 1 took its figure and measured nothing.
     assert results == [(1e12, 1e12, [0]), (1e12, 1e12, [])], results
+
+
+def test_device_time_is_the_union_of_device_intervals_without_annotation_spans():
+    """The profiler's device busy time: overlapping kernels (two streams) count once, a gap
+    counts nothing, CPU events are not device time, and a user annotation's device span (idle
+    gaps included) is reported apart, not added."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import Interval
+
+    from common.metrics import device_time
+
+    def ev(name, start, end, device=DeviceType.CUDA, annotation=False):
+        return SimpleNamespace(name=name, time_range=Interval(start, end), device_type=device,
+                               is_user_annotation=annotation)
+    events = [ev("gemm", 0, 10), ev("copy", 5, 12), ev("norm", 20, 25), ev("aten::mm", 0, 100, DeviceType.CPU),
+              ev("Optimizer.step", 0, 40, annotation=True), ev("FSDP::pre_forward", 30, 35, annotation=True),
+              ev("Optimizer.step", 50, 60, annotation=True)]
+    busy, spans = device_time(events)
+    assert busy == 12 + 5
+    assert spans == [("Optimizer.step", 50), ("FSDP::pre_forward", 5)]

@@ -154,6 +154,9 @@ def test_profiled_steps_are_written_and_train_as_unprofiled_ones(vectors, tmp_pa
     table = open(os.path.join(profiled, "profile", "rank0.txt")).read()
     assert "aten::addmm" in table and "aten::addmm" in [name for name, _ in event["top_ms_per_step"]]
     assert os.path.getsize(os.path.join(profiled, "profile", "rank0.json.gz")) > 0
+    # deterministic algorithms are on, but torch.empty is not NaN-filled (one fill_ per empty before)
+    calls = {line.split()[0]: int(line.split()[-1]) for line in table.splitlines() if line.strip().startswith("aten::")}
+    assert calls["aten::fill_"] < calls["aten::empty"], calls
     assert "profile of steps 2-3" in proc.stdout
     proc = toy_train(str(tmp_path / "bad"), vectors, "train.profile_count=0", check=False)
     assert proc.returncode == 2 and "train.profile_count=0 must be > 0" in proc.stderr
