@@ -145,3 +145,44 @@ def test_fsdp_shards_params_grads_optimizer_state(single, n):
     assert s <= total_alloc <= s + exp["pad_bound"]
     print(f"  sum over ranks: logical {sum(r['logical_total'] for r in results)} B, allocated {total_alloc} B "
           f"(= single + {total_alloc - s} B padding)")
+
+
+def _adamw_rank(rank, world_size, steps):
+    """build_optimizer over FSDP-sharded parameters: the fused kernel, run on the local shards;
+    the full parameters after `steps` steps of fixed gradients."""
+    from common.config import OptimConfig, ParallelConfig
+    from common.optim import build_optimizer
+    from common.parallel.data_parallel import apply_fsdp
+    from common.parallel.dims import ParallelDims
+    dims = ParallelDims.from_config(ParallelConfig(dp_mode="fsdp", dp_shard=world_size), world_size)
+    model = _model()
+    apply_fsdp(model, list(model.blocks), dims.build_mesh("cpu"), dims)
+    opt = build_optimizer(model, OptimConfig(weight_decay=0.1))
+    kinds = [(g["fused"], g["foreach"]) for g in opt.param_groups]
+    _fixed_grad_steps(model, opt, steps)
+    # numpy: pickled by value (a tensor would cross the queue as shared memory of an exiting process)
+    return kinds, {n: p.detach().full_tensor().numpy() for n, p in model.named_parameters()}
+
+
+def _fixed_grad_steps(model, opt, steps):
+    for s in range(steps):
+        g = torch.Generator().manual_seed(100 + s)
+        for p in model.parameters():  # the same full gradient on every rank, then this rank's shard
+            full = torch.randn(p.shape, generator=g)
+            p.grad = torch.distributed.tensor.distribute_tensor(full, p.device_mesh, p.placements) \
+                if isinstance(p, torch.distributed.tensor.DTensor) else full
+        opt.step()
+
+
+def test_fsdp_parameters_take_the_fused_adamw_with_the_single_process_result():
+    from common.config import OptimConfig
+    from common.optim import build_optimizer
+    model = _model()
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = build_optimizer(model, OptimConfig(weight_decay=0.1))
+    _fixed_grad_steps(model, opt, 3)
+    [(kinds, sharded), _] = run_ranks(_adamw_rank, 2, args=(3,), timeout=120)
+    assert kinds == [(True, None), (True, None)]
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(torch.from_numpy(sharded[n]), p.detach(), rtol=1e-6, atol=1e-7, msg=n)
+        assert not torch.equal(p, start[n]), n
