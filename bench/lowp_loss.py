@@ -5,16 +5,19 @@ Recipes: fp32, bf16 (autocast; CUDA only by default: CPU cores have no bf16 unit
 and rowwise (torchao; GEMMs emulated on CPU), int8 (torch._int_mm), each with every candidate linear
 converted (precision.roofline=none): those of the transformer blocks (the default,
 precision.convert=blocks) or all of them. Same samples and noise in every run, so the loss gap is
-the recipe's numerics; the fp32-vs-bf16 gap on CUDA shows how far two precisions drift apart
-without any fp8. Step time is printed, but on CPU (emulation, no fp8 units) it says nothing about a
+the recipe's numerics plus the divergence of two trajectories; the fp32-vs-bf16 gap on CUDA shows
+how far two precisions drift apart without any fp8 (0.93% after 200 B-sized steps on an H200).
+--seeds runs every recipe once per seed and pairs each with the baseline of its seed: a bias keeps
+its sign across seeds, divergence does not. Step time is printed, but on CPU (emulation, no fp8 units) it says nothing about a
 GPU, and on CUDA the runs are eager (no compile), so gpu_train_bench.py is the speed measurement.
 
   python bench/lowp_loss.py [--steps 200] [--config pipelines/text2image/configs/tiny.yaml]
-      [--size 32] [--recipes fp32,...] [--baseline fp32] [--set key=value ...] [--parallel N] [--json PATH]
+      [--size 32] [--recipes fp32,...] [--baseline fp32] [--seeds 0,1,...] [--set key=value ...]
+      [--parallel N] [--json PATH]
 
 On CPU the defaults are the tiny demo config, fp32 as the baseline and the fp8/int8 recipes; on
-CUDA fp32, bf16 (the baseline) and both fp8 scalings, all at once (--parallel: one run of the
-B-sized config made under 4 steps/s on an H200, far below what the GPU does at that size). A
+CUDA fp32, bf16 (the baseline) and both fp8 scalings, all at once (--parallel: one eager run of
+the B-sized config keeps an H200 busy for about a fifth of its step, the rest is host time). A
 recipe that fails is recorded with its error and the others still run; the JSON is rewritten as
 each recipe ends, so a run cut by a time limit keeps the finished ones.
 """
@@ -50,13 +53,14 @@ LAST = 20  # steps averaged for the final loss
 class Run:
     """One recipe's training run as a subprocess writing its own log and metrics."""
 
-    def __init__(self, name: str, args, data: str, work: str):
-        self.name, self.steps = name, args.steps
-        self.run_dir = os.path.join(work, name.replace(" ", "_").replace(",", ""))
+    def __init__(self, name: str, seed: int | None, args, data: str, work: str):
+        self.name, self.seed, self.steps = name, seed, args.steps
+        self.run_dir = os.path.join(work, name.replace(" ", "_").replace(",", "") + ("" if seed is None else f"_seed{seed}"))
         cmd = [sys.executable, "-m", "pipelines.text2image.train", "--config", args.config,
                f"run.dir={self.run_dir}", f"data.train_shards={data}/train", f"data.eval_shards={data}/heldout",
                f"train.steps={self.steps}", "train.log_every=1", f"train.ckpt_every={self.steps}", "sample.num=0",
-               "train.progress=false", "precision.roofline=none", *args.set, *RECIPES[name]]
+               "train.progress=false", "precision.roofline=none", *args.set, *RECIPES[name],
+               *([] if seed is None else [f"run.seed={seed}"])]
         self.log_path = self.run_dir + ".log"
         self.t0 = time.time()
         with open(self.log_path, "w") as log:
@@ -95,6 +99,9 @@ def main(argv=None) -> int:
     ap.add_argument("--parallel", type=int, default=None,
                     help="recipes run at once (default 1 on CPU; all of them on CUDA, where one run alone is far "
                          "from using the GPU)")
+    ap.add_argument("--seeds", default="",
+                    help="comma-separated run.seed values: every recipe runs once per seed, each compared with the "
+                         "baseline's run of the same seed (default: the config's seed, one run per recipe)")
     ap.add_argument("--json", default=os.path.join(ROOT, "bench", "results", "lowp_loss.json"))
     args = ap.parse_args(argv)
     import torch  # only to pick the device's defaults; the runs are subprocesses
@@ -116,6 +123,45 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
 
+    try:
+        seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [None]
+    except ValueError:
+        ap.error(f"--seeds {args.seeds!r} must be comma-separated integers, e.g. 0,1,2")
+    if len(set(seeds)) != len(seeds):
+        ap.error(f"--seeds {args.seeds!r} repeats a seed")
+    out["seeds"] = seeds if args.seeds else None
+    runs = {}  # recipe -> {seed: result}
+
+    def aggregate():
+        ref = runs.get(baseline, {})
+        out["results"] = {}  # in recipe order, the baseline first
+        for name in names:
+            per = runs.get(name)
+            if not per:
+                continue
+            for seed, r in per.items():  # the baseline of the same seed may finish after the others
+                if r["status"] == "ok" and ref.get(seed, {}).get("status") == "ok":
+                    r["loss_vs_baseline"] = r["final_loss"] / ref[seed]["final_loss"] - 1
+            if len(seeds) == 1:
+                out["results"][name] = next(iter(per.values()))
+                continue
+            ok = [r for r in per.values() if r["status"] == "ok"]
+            agg = {"status": "ok" if len(ok) == len(seeds) else ("failed" if any(r["status"] == "failed" for r in per.values())
+                                                                  else "incomplete"),
+                   "seeds": {str(k): v for k, v in per.items()}}
+            if ok:
+                agg["final_loss"] = sum(r["final_loss"] for r in ok) / len(ok)
+                agg["median_samples_per_s"] = sorted(r["median_samples_per_s"] for r in ok)[len(ok) // 2]
+                agg["converted"] = ok[0]["converted"]
+                gaps = [r["loss_vs_baseline"] for r in ok if "loss_vs_baseline" in r]
+                if gaps:  # paired by seed: a bias keeps its sign, divergence between runs does not
+                    agg["loss_vs_baseline"] = sum(gaps) / len(gaps)
+                    agg["loss_vs_baseline_range"] = [min(gaps), max(gaps)]
+            failed = [r for r in per.values() if r["status"] == "failed"]
+            if failed:
+                agg["error"] = failed[0]["error"]
+            out["results"][name] = agg
+
     with tempfile.TemporaryDirectory() as work:
         data = args.data
         if not data:
@@ -123,38 +169,39 @@ def main(argv=None) -> int:
             subprocess.run([sys.executable, "-m", "data.synth", "--out", data, "--count", str(args.count),
                             "--heldout-count", "64", "--size", str(args.size), "--no-progress"],
                            cwd=ROOT, check=True, capture_output=True)
-        parallel = max(1, args.parallel or (len(names) if device == "cuda" else 1))
-        pending, running = list(names), []
+        jobs = [(name, seed) for seed in seeds for name in names]
+        parallel = max(1, args.parallel or (len(jobs) if device == "cuda" else 1))
+        pending, running = list(jobs), []
         while pending or running:
             while pending and len(running) < parallel:
-                name = pending.pop(0)
-                print(f"[lowp_loss] {name}: {args.steps} steps ...", flush=True)
-                running.append(Run(name, args, data, work))
+                name, seed = pending.pop(0)
+                print(f"[lowp_loss] {name}{'' if seed is None else f' (seed {seed})'}: {args.steps} steps ...", flush=True)
+                running.append(Run(name, seed, args, data, work))
             done = [r for r in running if r.proc.poll() is not None]
             if not done:
                 time.sleep(0.5)
                 continue
             for run in done:
                 running.remove(run)
-                out["results"][run.name] = run.result()
-            ref = out["results"].get(baseline, {})
-            for name, r in out["results"].items():  # the baseline may finish after the others
-                if r["status"] == "ok" and ref.get("status") == "ok":
-                    r["loss_vs_baseline"] = r["final_loss"] / ref["final_loss"] - 1
+                runs.setdefault(run.name, {})[run.seed] = run.result()
+            aggregate()
             for run in done:
-                r = out["results"][run.name]
-                print(f"[lowp_loss] {run.name}: " + json.dumps({k: v for k, v in r.items() if k != "log_tail"}),
-                      flush=True)
+                r = runs[run.name][run.seed]
+                print(f"[lowp_loss] {run.name}{'' if run.seed is None else f' (seed {run.seed})'}: "
+                      + json.dumps({k: v for k, v in r.items() if k != "log_tail"}), flush=True)
             write()
-        out["results"] = {n: out["results"][n] for n in names}
         write()
+    over = "" if len(seeds) == 1 else f", mean over seeds {args.seeds}"
     print(f"\n| recipe ({os.path.basename(args.config)}, {args.steps} steps, {device}) | loss, mean of last {LAST} "
-          f"steps | vs {baseline} | samples/s |\n|---|---|---|---|")
+          f"steps{over} | vs {baseline}{' (range over seeds)' if over else ''} | samples/s |\n|---|---|---|---|")
     for name, r in out["results"].items():
         if r["status"] != "ok":
-            print(f"| {name} | failed: {r['error'][:120]} | | |")
+            print(f"| {name} | {r['status']}: {r.get('error', '')[:120]} | | |")
             continue
         gap = "" if name == baseline or "loss_vs_baseline" not in r else f"{100 * r['loss_vs_baseline']:+.2f}%"
+        if gap and "loss_vs_baseline_range" in r:
+            lo, hi = r["loss_vs_baseline_range"]
+            gap += f" ({100 * lo:+.2f}% to {100 * hi:+.2f}%)"
         print(f"| {name} | {r['final_loss']:.4f} | {gap} | {r['median_samples_per_s']:.0f} |")
     return 0 if all(r["status"] == "ok" for r in out["results"].values()) else 1
 

@@ -169,10 +169,12 @@ class StepProfiler:
         trace = os.path.join(self.out_dir, f"rank{self.rank}.json.gz")
         prof.export_chrome_trace(trace)
         steps = self.window[1]
-        # On a GPU a user annotation (Optimizer.step, FSDP::pre_forward, ...) also has a device row
-        # whose time is its span on the device, idle gaps included: not an operator's time.
+        # On a GPU the top list holds kernels: an operator's row repeats the time of the kernels it
+        # launched, and a user annotation's device row (Optimizer.step, FSDP::pre_forward, ...) is
+        # its span on the device, idle gaps included.
         per_step_ms = sorted(((getattr(e, sort) / 1e3 / steps, e.key) for e in averages
-                              if not (cuda and e.is_user_annotation)), reverse=True)
+                              if not cuda or (e.device_type != torch.autograd.DeviceType.CPU
+                                              and not e.is_user_annotation)), reverse=True)
         out = {"event": "profile", "steps": [self.window[0], step], "clock": "device" if cuda else "cpu",
                "wall_ms_per_step": round(1e3 * wall_s / steps, 3), "table": table, "trace": trace}
         # busy < wall: the device (on CPU: the profiled operators) waited for the host, the loader

@@ -44,3 +44,25 @@ def test_a_failing_recipe_is_recorded_with_its_error(tmp_path):
     assert set(res) == {"fp32", "int8"}
     for r in res.values():
         assert r["status"] == "failed" and "no_such_preset" in r["log_tail"], r
+
+
+@pytest.mark.slow  # ~40 s: four short training runs of the tiny config
+def test_seeds_pair_each_recipe_with_the_baseline_of_its_seed(tmp_path):
+    bench = load_bench("lowp_loss")
+    common = ["--steps", "8", "--recipes", "fp32,int8", "--baseline", "fp32", "--count", "64", "--parallel", "2",
+              "--set", "data.num_workers=0", "optim.warmup_steps=2"]
+    assert bench.main([*common, "--seeds", "3,4", "--json", str(tmp_path / "two.json")]) == 0
+    assert bench.main([*common, "--seeds", "4", "--json", str(tmp_path / "one.json")]) == 0
+    two, one = (json.loads((tmp_path / f).read_text()) for f in ("two.json", "one.json"))
+    assert two["seeds"] == [3, 4] and list(two["results"]) == ["fp32", "int8"]
+    fp32, int8 = two["results"]["fp32"], two["results"]["int8"]
+    assert fp32["status"] == int8["status"] == "ok"
+    # each seed is its own run: seed 4 alone gives the same losses as seed 4 among two
+    assert int8["seeds"]["4"]["final_loss"] == one["results"]["int8"]["final_loss"]
+    assert fp32["seeds"]["3"]["final_loss"] != fp32["seeds"]["4"]["final_loss"]
+    gaps = [int8["seeds"][s]["final_loss"] / fp32["seeds"][s]["final_loss"] - 1 for s in ("3", "4")]
+    assert int8["loss_vs_baseline"] == pytest.approx(sum(gaps) / 2)
+    assert int8["loss_vs_baseline_range"] == pytest.approx([min(gaps), max(gaps)])
+    assert fp32["final_loss"] == pytest.approx((fp32["seeds"]["3"]["final_loss"] + fp32["seeds"]["4"]["final_loss"]) / 2)
+    with pytest.raises(SystemExit):  # argparse's error: exit 2 with the message
+        bench.main([*common, "--seeds", "1,x"])
