@@ -24,8 +24,8 @@
 #               64, bf16, eager, one process, 8 loader workers) for 60 steps, steps 41-43 under
 #               torch.profiler (train.profile_at): samples/s, input_frac (share of the step the host
 #               spent fetching and preparing batches), device-busy vs wall ms per step and the top
-#               kernels; profile_metrics.jsonl and profile_rank0.txt. One run of this config made
-#               under 4 steps/s on an H200, far below what the GPU does at this size
+#               kernels; profile_metrics.jsonl and profile_rank0.txt. The third lease found this
+#               step host-bound (the GPU busy 66 ms of 319), before the fixes of ef32944 / 4305afc
 #   7. lowp     bench/lowp_loss.py: fp8 numerics in training, the same config and data for 200
 #               steps in bf16, fp8 tensorwise and fp8 rowwise, each with run.seed 1 and 2
 #               (GPU_CHECK_LOWP_RECIPES, GPU_CHECK_LOWP_SEEDS), all at once: each run's mean loss of
@@ -43,7 +43,8 @@
 #
 # Results go to $OUT when set (the device tool's folder), else bench/results/gpu/: gpu_check.json
 # (per step: status, seconds, reason, key numbers), gpu_check.log (all output), kernels.json,
-# gpu_train_bench.json, smoke_metrics.jsonl, profile_metrics.jsonl, profile_rank0.txt, lowp_loss.json. Checkpoints, shards and wheels stay in a temp dir.
+# gpu_train_bench.json, smoke_metrics.jsonl, profile_metrics.jsonl, profile_rank0.txt (+ its Chrome
+# trace when under 20 MB), lowp_loss.json. Checkpoints, shards and wheels stay in a temp dir.
 #
 # Without CUDA every step is skipped ("no CUDA") and the script exits 0; with
 # GPU_CHECK_CPU_DRYRUN=1 step 4 runs its tiny fp32 CPU variant instead (seconds), which is what

@@ -130,9 +130,9 @@ def device_time(events) -> tuple[float, list[tuple[str, float]]]:
 
 
 class StepProfiler:
-    """train.profile_at / profile_count: torch.profiler over steps [start, start + count), written per rank as a
-    table of operators by self time (device time on a GPU) and a Chrome trace. A run resumed past
-    `start` profiles nothing."""
+    """train.profile_at / profile_count: torch.profiler over steps [start, start + count), written
+    per rank as a table of operators by self time (device time on a GPU) and a Chrome trace. A run
+    resumed past `start` profiles nothing."""
 
     TOP = 10  # operators named in the metrics.jsonl event
 

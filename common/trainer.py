@@ -170,7 +170,8 @@ class Trainer:
         it = iter(self.loader)
         bad_in_row = 0
         window_t0, window_samples, window_flops, window_input_s = time.perf_counter(), 0, 0.0, 0.0
-        profiler = StepProfiler((tc.profile_at, tc.profile_count) if tc.profile_at else None, cfg.run.dir, self.info.rank, self.info.device)
+        profiler = StepProfiler((tc.profile_at, tc.profile_count) if tc.profile_at else None, cfg.run.dir,
+                                self.info.rank, self.info.device)
         watchdog = HangWatchdog(tc.hang_timeout_s, cfg.run.dir, self.info.rank)
         stragglers = StragglerMonitor(tc.straggler_every, tc.straggler_factor, self.info.world_size)
         interval = CheckpointInterval(tc.ckpt_every, tc.mtbf_hours, start_step=self.step)
@@ -222,12 +223,13 @@ class Trainer:
                 window_input_s += self.local_s
                 export_t0 = time.perf_counter()
                 profiled = profiler.after_step(self.step)
+                export_s = time.perf_counter() - export_t0 if profiled is not None else 0.0
                 if profiled is not None:
-                    window_t0 += time.perf_counter() - export_t0  # writing the trace is not a step's time
+                    window_t0 += export_s  # writing the trace is not a step's time
                     log.event(**profiled)
                     log.message(f"profile of steps {profiled['steps'][0]}-{profiled['steps'][1]}: {profiled['table']}")
                 log.advance()
-                interval.add_step_time(self.step, time.perf_counter() - step_t0)
+                interval.add_step_time(self.step, time.perf_counter() - step_t0 - export_s)
                 stragglers.add(self.local_s)
                 report = stragglers.end_step(self.step)
                 if report is not None and report.slow:
