@@ -8,8 +8,9 @@ precision.convert=blocks) or all of them. Same samples and noise in every run, s
 the recipe's numerics plus the divergence of two trajectories; the fp32-vs-bf16 gap on CUDA shows
 how far two precisions drift apart without any fp8 (0.93% after 200 B-sized steps on an H200).
 --seeds runs every recipe once per seed and pairs each with the baseline of its seed: a bias keeps
-its sign across seeds, divergence does not. Step time is printed, but on CPU (emulation, no fp8 units) it says nothing about a
-GPU, and on CUDA the runs are eager (no compile), so gpu_train_bench.py is the speed measurement.
+its sign across seeds, divergence does not. Step time is printed, but on CPU (emulation, no fp8
+units) it says nothing about a GPU, and on CUDA the runs are eager (no compile), so
+gpu_train_bench.py is the speed measurement.
 
   python bench/lowp_loss.py [--steps 200] [--config pipelines/text2image/configs/tiny.yaml]
       [--size 32] [--recipes fp32,...] [--baseline fp32] [--seeds 0,1,...] [--set key=value ...]
@@ -55,7 +56,8 @@ class Run:
 
     def __init__(self, name: str, seed: int | None, args, data: str, work: str):
         self.name, self.seed, self.steps = name, seed, args.steps
-        self.run_dir = os.path.join(work, name.replace(" ", "_").replace(",", "") + ("" if seed is None else f"_seed{seed}"))
+        self.run_dir = os.path.join(work, name.replace(" ", "_").replace(",", "")
+                                    + ("" if seed is None else f"_seed{seed}"))
         cmd = [sys.executable, "-m", "pipelines.text2image.train", "--config", args.config,
                f"run.dir={self.run_dir}", f"data.train_shards={data}/train", f"data.eval_shards={data}/heldout",
                f"train.steps={self.steps}", "train.log_every=1", f"train.ckpt_every={self.steps}", "sample.num=0",
@@ -146,8 +148,8 @@ def main(argv=None) -> int:
                 out["results"][name] = next(iter(per.values()))
                 continue
             ok = [r for r in per.values() if r["status"] == "ok"]
-            agg = {"status": "ok" if len(ok) == len(seeds) else ("failed" if any(r["status"] == "failed" for r in per.values())
-                                                                  else "incomplete"),
+            failed = [r for r in per.values() if r["status"] == "failed"]
+            agg = {"status": "ok" if len(ok) == len(seeds) else "failed" if failed else "incomplete",
                    "seeds": {str(k): v for k, v in per.items()}}
             if ok:
                 agg["final_loss"] = sum(r["final_loss"] for r in ok) / len(ok)
@@ -157,7 +159,6 @@ def main(argv=None) -> int:
                 if gaps:  # paired by seed: a bias keeps its sign, divergence between runs does not
                     agg["loss_vs_baseline"] = sum(gaps) / len(gaps)
                     agg["loss_vs_baseline_range"] = [min(gaps), max(gaps)]
-            failed = [r for r in per.values() if r["status"] == "failed"]
             if failed:
                 agg["error"] = failed[0]["error"]
             out["results"][name] = agg
@@ -175,7 +176,8 @@ def main(argv=None) -> int:
         while pending or running:
             while pending and len(running) < parallel:
                 name, seed = pending.pop(0)
-                print(f"[lowp_loss] {name}{'' if seed is None else f' (seed {seed})'}: {args.steps} steps ...", flush=True)
+                label = name if seed is None else f"{name} (seed {seed})"
+                print(f"[lowp_loss] {label}: {args.steps} steps ...", flush=True)
                 running.append(Run(name, seed, args, data, work))
             done = [r for r in running if r.proc.poll() is not None]
             if not done:

@@ -42,7 +42,7 @@ def _image_packages() -> dict[str, str | None]:
 
 
 @needs_bash
-@pytest.mark.slow  # ~40-60 s: four variants of the tiny DiT (the compiled one traced with aot_eager), 8 profiled train steps
+@pytest.mark.slow  # ~40-60 s: four variants of the tiny DiT (compiled with aot_eager), 8 profiled train steps
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour (a GPU runs the real steps)")
 def test_gpu_check_cpu_dry_run(tmp_path):
     out = tmp_path / "out"

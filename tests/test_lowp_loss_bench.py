@@ -63,6 +63,7 @@ def test_seeds_pair_each_recipe_with_the_baseline_of_its_seed(tmp_path):
     gaps = [int8["seeds"][s]["final_loss"] / fp32["seeds"][s]["final_loss"] - 1 for s in ("3", "4")]
     assert int8["loss_vs_baseline"] == pytest.approx(sum(gaps) / 2)
     assert int8["loss_vs_baseline_range"] == pytest.approx([min(gaps), max(gaps)])
-    assert fp32["final_loss"] == pytest.approx((fp32["seeds"]["3"]["final_loss"] + fp32["seeds"]["4"]["final_loss"]) / 2)
+    seed_losses = [fp32["seeds"][s]["final_loss"] for s in ("3", "4")]
+    assert fp32["final_loss"] == pytest.approx(sum(seed_losses) / 2)
     with pytest.raises(SystemExit):  # argparse's error: exit 2 with the message
         bench.main([*common, "--seeds", "1,x"])

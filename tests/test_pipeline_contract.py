@@ -89,8 +89,8 @@ def vectors(tmp_path_factory):
 
 
 def toy(command: str, *args: str, check: bool = True, extra_env: dict | None = None) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, TOY, command, *args], env={**env(), **(extra_env or {})}, cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, TOY, command, *args], env={**env(), **(extra_env or {})}, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
     if check and proc.returncode != 0:
         raise AssertionError(proc.stderr[-3000:])
     return proc
