@@ -25,7 +25,9 @@
 #               torch.profiler (train.profile_at): samples/s, input_frac (share of the step the host
 #               spent fetching and preparing batches), device-busy vs wall ms per step and the top
 #               kernels; profile_metrics.jsonl and profile_rank0.txt. The third lease found this
-#               step host-bound (the GPU busy 66 ms of 319), before the fixes of ef32944 / 4305afc
+#               step host-bound (the GPU busy 66 ms of 319), before the fixes of ef32944 / 4305afc.
+#               GPU_CHECK_PROFILE_VARIANTS="eager compile" adds the same run with
+#               parallel.compile=true (step profile_compile, files profile_compile_*)
 #   7. lowp     bench/lowp_loss.py: fp8 numerics in training, the same config and data for 200
 #               steps in bf16, fp8 tensorwise and fp8 rowwise, each with run.seed 1 and 2
 #               (GPU_CHECK_LOWP_RECIPES, GPU_CHECK_LOWP_SEEDS), all at once: each run's mean loss of
@@ -61,6 +63,8 @@ PROFILE_MIN=60                         # ... and for step 6
 # Step 7's runs. The third lease measured the config's own seed (0) with fp32 as the drift reference
 # (+0.93% from bf16); other seeds tell whether fp8's gaps (+2.0% tensorwise, -3.7% rowwise) keep
 # their sign: six runs at once, about what the 16 host cores carry (each eager run is host-bound).
+# Step 6's runs: eager; "eager compile" adds the compiled one (~200 s more: a lease of its own)
+PROFILE_VARIANTS=${GPU_CHECK_PROFILE_VARIANTS:-eager}
 LOWP_RECIPES=${GPU_CHECK_LOWP_RECIPES:-bf16,fp8 tensorwise,fp8 rowwise}
 LOWP_SEEDS=${GPU_CHECK_LOWP_SEEDS:-1,2}
 DRYRUN=${GPU_CHECK_CPU_DRYRUN:-0}
@@ -443,42 +447,57 @@ fi
 synth_into() { [ -d "$1/train" ] || timeout -k 5 60 "$PY" -m data.synth --out "$1" --count "$3" --heldout-count 64 \
   --size "$2" --no-progress; }
 SYN64=$WORK/synth64
-t0=$SECONDS
-if [ "$CUDA" = 1 ] && skipping profile; then
-  rec profile skipped 0 "GPU_CHECK_SKIP"
-elif [ "$CUDA" = 1 ] || [ "$DRYRUN" = 1 ]; then
+# profile_run NAME EXTRA...: one profiled run recorded as step NAME (profile: eager; profile_compile:
+# parallel.compile=true, which the XL bench measured at 1.40x eager but the train CLI with FSDP2
+# never ran on a GPU)
+profile_run() {
+  local name=$1 t0=$SECONDS T RUN rc cap=120
+  shift
+  [ "$name" = profile ] || cap=200  # compiling 12 blocks first
   if [ "$CUDA" = 1 ]; then
-    PROF_DATA=$SYN64 PROF_SIZE=64 PROF_COUNT=2048 PROF_STEPS=60 PROF_AT=41 T=$(budget 120 $LOWP_MIN)
-    PROF_CONF=base PROF_EXTRA=()
-    PROF_WHAT="configs/base.yaml (bf16, eager, 8 loader workers)"
+    PROF_DATA=$SYN64 PROF_SIZE=64 PROF_COUNT=2048 PROF_STEPS=60 PROF_AT=41 T=$(budget $cap $LOWP_MIN)
+    PROF_CONF=base PROF_EXTRA=("$@")
+    PROF_WHAT="configs/base.yaml (bf16, 8 loader workers${*:+, $*})"
   else  # the dry run: the same path on the tiny config in fp32
-    PROF_DATA=$WORK/synth32 PROF_SIZE=32 PROF_COUNT=256 PROF_STEPS=8 PROF_AT=5 T=120
-    PROF_CONF=tiny PROF_EXTRA=(data.num_workers=1 train.log_every=2)
-    PROF_WHAT="configs/tiny.yaml (CPU dry run, fp32)"
+    PROF_DATA=$WORK/synth32 PROF_SIZE=32 PROF_COUNT=256 PROF_STEPS=8 PROF_AT=5 T=$((cap + 60))
+    PROF_CONF=tiny PROF_EXTRA=(data.num_workers=1 train.log_every=2 "$@")
+    PROF_WHAT="configs/tiny.yaml (CPU dry run, fp32${*:+, $*})"
   fi
   if [ "$T" -lt 50 ]; then
-    rec profile skipped 0 "time budget ($T s left)"
+    rec "$name" skipped 0 "time budget ($T s left)"
   elif ! synth_into "$PROF_DATA" $PROF_SIZE $PROF_COUNT; then
-    rec profile failed $((SECONDS - t0)) "data.synth --size $PROF_SIZE failed"
+    rec "$name" failed $((SECONDS - t0)) "data.synth --size $PROF_SIZE failed"
   else
-    RUN=$WORK/profile
-    log "train CLI on $PROF_WHAT: $PROF_STEPS steps, steps $PROF_AT-$((PROF_AT + 2)) profiled (at most $T s)"
+    RUN=$WORK/$name
+    log "$name: train CLI on $PROF_WHAT: $PROF_STEPS steps, steps $PROF_AT-$((PROF_AT + 2)) profiled (at most $T s)"
     timeout -k 5 "$T" "$PY" -m pipelines.text2image.train --config "pipelines/text2image/configs/$PROF_CONF.yaml" "run.dir=$RUN" \
       "data.train_shards=$PROF_DATA/train" "data.eval_shards=$PROF_DATA/heldout" train.steps=$PROF_STEPS \
       train.log_every=10 train.ckpt_every=1000 train.progress=false sample.num=0 optim.warmup_steps=20 \
-      train.profile_at=$PROF_AT train.profile_count=3 ${PROF_EXTRA[@]+"${PROF_EXTRA[@]}"} 2>&1 | tee "$WORK/profile.log"
+      train.profile_at=$PROF_AT train.profile_count=3 ${PROF_EXTRA[@]+"${PROF_EXTRA[@]}"} 2>&1 | tee "$WORK/$name.log"
     rc=$?
-    [ -f "$RUN/metrics.jsonl" ] && cp -f "$RUN/metrics.jsonl" "$RES/profile_metrics.jsonl"
-    [ -f "$RUN/profile/rank0.txt" ] && cp -f "$RUN/profile/rank0.txt" "$RES/profile_rank0.txt"
-    # the Chrome trace too while it is small enough to travel back (3 eager B-sized steps: a few MiB)
+    [ -f "$RUN/metrics.jsonl" ] && cp -f "$RUN/metrics.jsonl" "$RES/${name}_metrics.jsonl"
+    [ -f "$RUN/profile/rank0.txt" ] && cp -f "$RUN/profile/rank0.txt" "$RES/${name}_rank0.txt"
+    # the Chrome trace too while it is small enough to travel back (3 eager B-sized steps: 3 MB)
     [ -f "$RUN/profile/rank0.json.gz" ] && [ "$(stat -c %s "$RUN/profile/rank0.json.gz")" -lt 20000000 ] \
-      && cp -f "$RUN/profile/rank0.json.gz" "$RES/profile_rank0.json.gz"
-    rec profile "$(status_of $rc)" $((SECONDS - t0)) "$([ $rc = 0 ] || echo "rc $rc: $(last_error "$WORK/profile.log")")" \
+      && cp -f "$RUN/profile/rank0.json.gz" "$RES/${name}_rank0.json.gz"
+    rec "$name" "$(status_of $rc)" $((SECONDS - t0)) "$([ $rc = 0 ] || echo "rc $rc: $(last_error "$WORK/$name.log")")" \
       profile "$RUN/metrics.jsonl"
   fi
-else
-  rec profile skipped 0 "no CUDA"
-fi
+}
+for variant in $PROFILE_VARIANTS; do
+  case $variant in
+    eager) name=profile extra=() ;;
+    compile) name=profile_compile extra=(parallel.compile=true) ;;
+    *) rec "profile_$variant" failed 0 "unknown GPU_CHECK_PROFILE_VARIANTS entry '$variant' (eager, compile)"; continue ;;
+  esac
+  if [ "$CUDA" = 1 ] && skipping "$name"; then
+    rec "$name" skipped 0 "GPU_CHECK_SKIP"
+  elif [ "$CUDA" = 1 ] || [ "$DRYRUN" = 1 ]; then
+    profile_run "$name" ${extra[@]+"${extra[@]}"}
+  else
+    rec "$name" skipped 0 "no CUDA"
+  fi
+done
 
 # ---- 7. fp8 numerics: 200 training steps per precision recipe ----------------------------------------
 t0=$SECONDS
@@ -503,8 +522,8 @@ fi
 # Exit 1 when a step that ran failed or timed out: every step on CUDA; without CUDA only the steps
 # asked for (the dry run's train bench, GPU_CHECK_CPU_SMOKE's smoke run), so a plain CPU run exits 0.
 code=0
-judged="wheels env tests kernels train smoke profile lowp"
-[ "$CUDA" = 1 ] || judged="$([ "$DRYRUN" = 1 ] && echo train profile) $([ "${GPU_CHECK_CPU_SMOKE:-0}" = 1 ] && echo smoke)"
+judged="wheels env tests kernels train smoke profile profile_compile lowp"
+[ "$CUDA" = 1 ] || judged="$([ "$DRYRUN" = 1 ] && echo train profile profile_compile) $([ "${GPU_CHECK_CPU_SMOKE:-0}" = 1 ] && echo smoke)"
 "$REC_PY" - "$JSON" $judged <<'PYEOF' || code=1
 import json, sys
 steps = json.load(open(sys.argv[1]))["steps"]
