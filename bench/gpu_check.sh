@@ -60,11 +60,12 @@ START=$SECONDS
 TOTAL=${GPU_CHECK_TOTAL_S:-570}
 LOWP_MIN=${GPU_CHECK_LOWP_MIN_S:-180}  # seconds the earlier steps leave for step 7
 PROFILE_MIN=60                         # ... and for step 6
+LATER_MIN=$((PROFILE_MIN + LOWP_MIN))  # what steps 1-5 leave for 6 and 7
+# Step 6's runs: eager; "eager compile" adds the compiled one (~200 s more: a lease of its own)
+PROFILE_VARIANTS=${GPU_CHECK_PROFILE_VARIANTS:-eager}
 # Step 7's runs. The third lease measured the config's own seed (0) with fp32 as the drift reference
 # (+0.93% from bf16); other seeds tell whether fp8's gaps (+2.0% tensorwise, -3.7% rowwise) keep
 # their sign: six runs at once, about what the 16 host cores carry (each eager run is host-bound).
-# Step 6's runs: eager; "eager compile" adds the compiled one (~200 s more: a lease of its own)
-PROFILE_VARIANTS=${GPU_CHECK_PROFILE_VARIANTS:-eager}
 LOWP_RECIPES=${GPU_CHECK_LOWP_RECIPES:-bf16,fp8 tensorwise,fp8 rowwise}
 LOWP_SEEDS=${GPU_CHECK_LOWP_SEEDS:-1,2}
 DRYRUN=${GPU_CHECK_CPU_DRYRUN:-0}
@@ -335,7 +336,7 @@ if cuda_step tests; then
   tests=(tests/test_triton_ops.py tests/test_triton_attention.py)
   # megatron-core LM backend: logits of GPTModel vs our Llama, where the image has megatron-core
   "$PY" -c "import megatron.core" >/dev/null 2>&1 && [ -f tests/test_llama_megatron.py ] && tests+=(tests/test_llama_megatron.py)
-  T=$(budget 150 $((260 + PROFILE_MIN + LOWP_MIN)))
+  T=$(budget 150 $((260 + LATER_MIN)))
   if [ "$T" -lt 20 ]; then
     rec tests skipped 0 "time budget"
   else
@@ -350,7 +351,7 @@ fi
 # ---- 3. kernel benchmark ---------------------------------------------------------------------------
 t0=$SECONDS
 if cuda_step kernels; then
-  T=$(budget 90 $((170 + PROFILE_MIN + LOWP_MIN)))
+  T=$(budget 90 $((170 + LATER_MIN)))
   if [ "$T" -lt 40 ]; then
     rec kernels skipped 0 "time budget"
   else
@@ -368,7 +369,7 @@ t0=$SECONDS
 if [ "$CUDA" = 1 ] && skipping train; then
   rec train skipped 0 "GPU_CHECK_SKIP"
 elif [ "$CUDA" = 1 ]; then
-  T=$(budget 200 $((70 + PROFILE_MIN + LOWP_MIN)))
+  T=$(budget 200 $((70 + LATER_MIN)))
   if [ "$T" -lt 60 ]; then
     rec train skipped 0 "time budget"
   else
@@ -402,7 +403,7 @@ if [ "$CUDA" != 1 ] && [ "${GPU_CHECK_CPU_SMOKE:-0}" != 1 ]; then
 elif skipping smoke; then
   rec smoke skipped 0 "GPU_CHECK_SKIP"
 else
-  T=$(budget 150 $((PROFILE_MIN + LOWP_MIN)))
+  T=$(budget 150 $LATER_MIN)
   if [ "$T" -lt 45 ]; then
     rec smoke skipped 0 "time budget ($T s left)"
   else
@@ -417,7 +418,7 @@ else
     if ! timeout -k 5 30 "$PY" -m data.synth --out "$SYN" --count 640 --heldout-count 32 --shard-size 64 --no-progress; then
       status=failed reason="data.synth failed"
     else
-      T1=$(( ($(budget 150 $((PROFILE_MIN + LOWP_MIN))) * 55) / 100 ))
+      T1=$(( ($(budget 150 $LATER_MIN) * 55) / 100 ))
       timeout -k 5 "$T1" "${TRAIN[@]}" "${ARGS[@]}" train.stop_after=15 2>&1 | tee "$WORK/smoke1.log"
       rc=$?
       if [ "$rc" != 0 ]; then
@@ -425,7 +426,7 @@ else
       elif [ "$(cat "$RUN/checkpoints/latest" 2>/dev/null)" != step_00000010 ]; then
         status=failed reason="after the first run checkpoints/latest is '$(cat "$RUN/checkpoints/latest" 2>/dev/null)', not step_00000010"
       else
-        T2=$(budget 150 $((PROFILE_MIN + LOWP_MIN)))
+        T2=$(budget 150 $LATER_MIN)
         timeout -k 5 "$T2" "${TRAIN[@]}" "${ARGS[@]}" run.resume=auto 2>&1 | tee "$WORK/smoke2.log"
         rc=$?
         if [ "$rc" != 0 ]; then

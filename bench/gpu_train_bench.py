@@ -259,22 +259,15 @@ class Bench:
     def profile(self, model, opt, params, batch: int, steps: int) -> dict:
         """Device time per step by kernel category, and the top kernels: where a variant's step goes."""
         from torch.profiler import ProfilerActivity, profile
-        torch = self.torch
+
+        from common.metrics import operator_times
         acts = [ProfilerActivity.CUDA] if self.cuda else [ProfilerActivity.CPU]
         with profile(activities=acts) as prof:
             for _ in range(steps):
                 self.train_step(model, opt, params, batch)
             self.sync()
-        kernels = []
-        for e in prof.key_averages():
-            if self.cuda and e.device_type != torch.autograd.DeviceType.CUDA:
-                continue
-            t = getattr(e, "self_device_time_total", None) if self.cuda else e.self_cpu_time_total
-            if t is None:
-                t = getattr(e, "self_cuda_time_total", 0)
-            if t > 0:
-                kernels.append((e.key, t / 1e3 / steps, e.count // steps, kernel_category(e.key)))
-        kernels.sort(key=lambda k: -k[1])
+        kernels = [(name, ms, calls, kernel_category(name))
+                   for name, ms, calls in operator_times(prof.key_averages(), steps, device=self.cuda)]
         by_cat: dict[str, float] = {}
         for _, ms, _, cat in kernels:
             by_cat[cat] = by_cat.get(cat, 0.0) + ms

@@ -51,6 +51,11 @@ DEFAULT_RECIPES = {
 LAST = 20  # steps averaged for the final loss
 
 
+def _mid(xs):
+    """The median of a non-empty list (the upper one of an even count)."""
+    return sorted(xs)[len(xs) // 2]
+
+
 class Run:
     """One recipe's training run as a subprocess writing its own log and metrics."""
 
@@ -78,12 +83,11 @@ class Run:
         with open(os.path.join(self.run_dir, "metrics.jsonl")) as f:
             rows = [json.loads(line) for line in f]
         losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
-        sps = sorted(r["samples_per_s"] for r in rows if "samples_per_s" in r)
-        input_frac = sorted(r["input_frac"] for r in rows if "input_frac" in r)
+        input_frac = [r["input_frac"] for r in rows if "input_frac" in r]
         converted = next((line for line in out.splitlines() if "linears converted" in line), "")
         last = [losses[s] for s in range(self.steps - LAST + 1, self.steps + 1) if s in losses]
-        return {"status": "ok", "final_loss": sum(last) / len(last), "median_samples_per_s": sps[len(sps) // 2],
-                "median_input_frac": input_frac[len(input_frac) // 2] if input_frac else None,
+        return {"status": "ok", "final_loss": sum(last) / len(last), "median_samples_per_s": _mid([r["samples_per_s"] for r in rows if "samples_per_s" in r]),
+                "median_input_frac": _mid(input_frac) if input_frac else None,
                 "converted": converted, "wall_s": round(time.time() - self.t0, 1)}
 
 
@@ -99,7 +103,7 @@ def main(argv=None) -> int:
     ap.add_argument("--set", nargs="*", default=[], help="extra config overrides for every run (key=value)")
     ap.add_argument("--data", default="", help="synthetic shards (default: generated into a temp dir)")
     ap.add_argument("--parallel", type=int, default=None,
-                    help="recipes run at once (default 1 on CPU; all of them on CUDA, where one run alone is far "
+                    help="runs (recipe x seed) at once (default 1 on CPU; all of them on CUDA, where one run alone is far "
                          "from using the GPU)")
     ap.add_argument("--seeds", default="",
                     help="comma-separated run.seed values: every recipe runs once per seed, each compared with the "
@@ -153,7 +157,7 @@ def main(argv=None) -> int:
                    "seeds": {str(k): v for k, v in per.items()}}
             if ok:
                 agg["final_loss"] = sum(r["final_loss"] for r in ok) / len(ok)
-                agg["median_samples_per_s"] = sorted(r["median_samples_per_s"] for r in ok)[len(ok) // 2]
+                agg["median_samples_per_s"] = _mid([r["median_samples_per_s"] for r in ok])
                 agg["converted"] = ok[0]["converted"]
                 gaps = [r["loss_vs_baseline"] for r in ok if "loss_vs_baseline" in r]
                 if gaps:  # paired by seed: a bias keeps its sign, divergence between runs does not

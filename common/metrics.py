@@ -129,6 +129,21 @@ def device_time(events) -> tuple[float, list[tuple[str, float]]]:
     return busy, sorted(spans.items(), key=lambda kv: -kv[1])
 
 
+def operator_times(averages, steps: int, device: bool) -> list[tuple[str, float, int]]:
+    """(name, ms per step, calls per step) from prof.key_averages(), longest first. device: the
+    device's kernels by their time (an operator's row repeats the time of the kernels it launched,
+    and a user annotation's device row, e.g. Optimizer.step, is its span, idle gaps included);
+    else every row by self CPU time."""
+    rows = []
+    for e in averages:
+        if device and (e.device_type == torch.autograd.DeviceType.CPU or e.is_user_annotation):
+            continue
+        t = e.self_device_time_total if device else e.self_cpu_time_total
+        if t > 0:
+            rows.append((e.key, t / 1e3 / steps, e.count // steps))
+    return sorted(rows, key=lambda r: -r[1])
+
+
 class StepProfiler:
     """train.profile_at / profile_count: torch.profiler over steps [start, start + count), written
     per rank as a table of operators by self time (device time on a GPU) and a Chrome trace. A run
@@ -151,30 +166,26 @@ class StepProfiler:
             self.t0 = time.perf_counter()
 
     def after_step(self, step: int) -> dict | None:
-        """Stops and writes once `step` is the window's last; returns the event to log."""
+        """Stops and writes once `step` is the window's last; returns the event to log, with
+        write_s: the seconds writing took (not a step's time)."""
         if self.prof is None or step != self.window[0] + self.window[1] - 1:
             return None
         prof, self.prof = self.prof, None
-        if self.device.type == "cuda":
+        cuda = self.device.type == "cuda"
+        if cuda:
             torch.cuda.synchronize(self.device)
         wall_s = time.perf_counter() - self.t0
         prof.__exit__(None, None, None)
         os.makedirs(self.out_dir, exist_ok=True)
-        cuda = self.device.type == "cuda"
-        sort = "self_device_time_total" if cuda else "self_cpu_time_total"
         averages = prof.key_averages()
         table = os.path.join(self.out_dir, f"rank{self.rank}.txt")
         with open(table, "w") as f:
-            f.write(averages.table(sort_by=sort, row_limit=60) + "\n")
+            f.write(averages.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
+                                   row_limit=60) + "\n")
         trace = os.path.join(self.out_dir, f"rank{self.rank}.json.gz")
         prof.export_chrome_trace(trace)
         steps = self.window[1]
-        # On a GPU the top list holds kernels: an operator's row repeats the time of the kernels it
-        # launched, and a user annotation's device row (Optimizer.step, FSDP::pre_forward, ...) is
-        # its span on the device, idle gaps included.
-        per_step_ms = sorted(((getattr(e, sort) / 1e3 / steps, e.key) for e in averages
-                              if not cuda or (e.device_type != torch.autograd.DeviceType.CPU
-                                              and not e.is_user_annotation)), reverse=True)
+        ops = operator_times(averages, steps, device=cuda)
         out = {"event": "profile", "steps": [self.window[0], step], "clock": "device" if cuda else "cpu",
                "wall_ms_per_step": round(1e3 * wall_s / steps, 3), "table": table, "trace": trace}
         # busy < wall: the device (on CPU: the profiled operators) waited for the host, the loader
@@ -184,8 +195,9 @@ class StepProfiler:
             out["busy_ms_per_step"] = round(busy_us / 1e3 / steps, 3)
             out["spans_ms_per_step"] = [[name, round(us / 1e3 / steps, 3)] for name, us in spans[:self.TOP]]
         else:
-            out["busy_ms_per_step"] = round(sum(ms for ms, _ in per_step_ms), 3)
-        out["top_ms_per_step"] = [[name, round(ms, 3)] for ms, name in per_step_ms[:self.TOP]]
+            out["busy_ms_per_step"] = round(sum(ms for _, ms, _ in ops), 3)
+        out["top_ms_per_step"] = [[name, round(ms, 3)] for name, ms, _ in ops[:self.TOP]]
+        out["write_s"] = time.perf_counter() - self.t0 - wall_s
         return out
 
     def close(self) -> None:

@@ -221,9 +221,8 @@ class Trainer:
                 window_samples += step_samples
                 window_flops += step_flops
                 window_input_s += self.local_s
-                export_t0 = time.perf_counter()
                 profiled = profiler.after_step(self.step)
-                export_s = time.perf_counter() - export_t0 if profiled is not None else 0.0
+                export_s = profiled["write_s"] if profiled is not None else 0.0
                 if profiled is not None:
                     window_t0 += export_s  # writing the trace is not a step's time
                     log.event(**profiled)
