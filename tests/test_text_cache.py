@@ -52,15 +52,52 @@ def test_a_trainable_tower_is_called_every_time():
 
 def test_features_do_not_depend_on_the_batch_that_first_met_a_caption():
     # A resumed run starts with an empty cache and meets its captions in other batches; its
-    # features must be bitwise those of the uninterrupted run.
+    # features must be bitwise those of the uninterrupted run. 20 new captions at once span two
+    # tower calls of 16; met later one or a few at a time, in another order, each sits at another
+    # row of another call with other companions.
     tower = _tower()
+    captions = ["a red circle", "a blue square in the top left corner", "", "a green cross"] + \
+        [f"a small shape number {i} at the bottom" for i in range(16)]
     a, b = CachedTextFeatures(tower), CachedTextFeatures(tower)
-    a(["a red circle", "a blue square in the top left corner", "", "a green cross"])
+    a(captions)
     b(["a green cross"])
     b(["", "a red circle"])
-    b(["a blue square in the top left corner"])
-    for caption in a.rows:
+    b(captions[::-1][:7])
+    b(captions)
+    assert set(a.rows) == set(b.rows) == set(captions)
+    for caption in captions:
         assert torch.equal(a.rows[caption][0], b.rows[caption][0]), caption
+        assert torch.equal(a.rows[caption][1], b.rows[caption][1]), caption
+
+
+class _CountingTower(torch.nn.Module):
+    def __init__(self, tower):
+        super().__init__()
+        self.tower, self.batch_sizes = tower, []
+
+    def forward(self, texts):
+        self.batch_sizes.append(len(texts))
+        return self.tower(texts)
+
+
+def test_new_captions_are_encoded_in_calls_of_a_fixed_batch_and_held_without_their_padding():
+    """Rarely repeating captions (most real data) cost ceil(new / encode_batch) tower calls a
+    step, each of exactly encode_batch captions, not one call per caption."""
+    tower = _CountingTower(_tower())
+    cache = CachedTextFeatures(tower, encode_batch=8)
+    batch = [f"caption {i}" for i in range(19)]
+    ctx, mask = cache(batch)
+    assert tower.batch_sizes == [8, 8, 8]
+    ref_ctx, ref_mask = tower.tower(batch)
+    torch.testing.assert_close(ctx, ref_ctx, rtol=1e-6, atol=1e-6)
+    assert torch.equal(mask, ref_mask)
+    cache(batch[:5] + ["caption 19"])
+    assert tower.batch_sizes == [8, 8, 8, 8]
+    row_bytes = 16 * 32 * 4 + 16
+    assert cache.bytes == 20 * row_bytes
+    # each cached row owns its storage: the byte budget counts what the cache keeps alive
+    assert sum(r.untyped_storage().nbytes() + m.untyped_storage().nbytes() for r, m in cache.rows.values()) \
+        == cache.bytes
 
 
 def test_open_clip_tower_imports_without_its_optional_backends():

@@ -32,16 +32,22 @@ class CachedTextFeatures:
 
     The towers are frozen and each caption's features depend on that caption alone (no
     interaction between the rows of a batch), so a repeated caption (a dataset's templates, the
-    empty caption of CFG dropout) is encoded once. A caption not seen before goes through the
-    tower alone, never batched with others: a row's rounding can depend on the batch it was
-    computed in, and the features must not depend on which batch first met the caption, or a
-    resumed run (empty cache) would not repeat the uninterrupted one bit for bit. The result
-    equals the tower's batched output to fp32 rounding. A tower with a trainable parameter is
-    called every time. Datasets whose captions rarely repeat gain nothing here: precompute
-    their text features instead (python -m data.precompute)."""
+    empty caption of CFG dropout) is encoded once. Captions not seen before go through the tower
+    in calls of exactly `encode_batch` captions, the last call padded with empty captions: a
+    row's rounding can depend on the batch shape (the GEMMs a shape selects), and the features
+    must not depend on how many new captions a step happened to meet, or a resumed run (empty
+    cache) would not repeat the uninterrupted one bit for bit. With the shape fixed, a row's
+    features are the same whichever captions share its call (tests/test_text_cache.py). One
+    call per caption, as before, was 64 tower calls a step on a GPU whenever captions rarely
+    repeat, and starved the model. The result equals the tower's batched output to fp32
+    rounding. A tower with a trainable parameter is called every time. Datasets whose captions
+    rarely repeat gain nothing from the cache: precompute their text features instead
+    (python -m data.precompute)."""
 
-    def __init__(self, text_encoder, max_bytes: int = 256 << 20):
-        self.text_encoder, self.max_bytes = text_encoder, max_bytes
+    def __init__(self, text_encoder, max_bytes: int = 256 << 20, encode_batch: int = 16):
+        if encode_batch < 1:
+            raise ValueError(f"encode_batch must be >= 1, got {encode_batch}")
+        self.text_encoder, self.max_bytes, self.encode_batch = text_encoder, max_bytes, encode_batch
         self.rows: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self.bytes = 0
         self.hits = self.misses = 0
@@ -55,10 +61,14 @@ class CachedTextFeatures:
         missing = list(dict.fromkeys(c for c in captions if c not in self.rows))
         self.misses += len(missing)
         self.hits += len(captions) - len(missing)
-        for c in missing:
-            ctx, mask = self.text_encoder([c])
-            self.rows[c] = (ctx[0], mask[0])
-            self.bytes += ctx[0].nbytes + mask[0].nbytes
+        n = self.encode_batch
+        for i in range(0, len(missing), n):
+            chunk = missing[i:i + n]
+            ctx, mask = self.text_encoder(chunk + [""] * (n - len(chunk)))
+            for j, c in enumerate(chunk):
+                # A copy, so that a cached row does not keep its whole call's output alive.
+                self.rows[c] = (ctx[j].clone(), mask[j].clone())
+                self.bytes += ctx[j].nbytes + mask[j].nbytes
         rows = [self.rows[c] for c in captions]
         for c in captions:
             self.rows.move_to_end(c)
