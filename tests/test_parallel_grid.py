@@ -50,6 +50,8 @@ LAYOUTS = {
                             "parallel.pp_schedule=zero_bubble"]),
     "fsdp2xtp2": (4, ["data.micro_batch_size=4", "parallel.dp_shard=2", "parallel.tp=2"]),
     "fsdp2xcp2": (4, ["data.micro_batch_size=4", "parallel.dp_shard=2", "parallel.cp=2", "parallel.cp_mode=ring"]),
+    "hsdp2x1xcp2": (4, ["data.micro_batch_size=4", "parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.cp=2",
+                        "parallel.cp_mode=ring"]),
     "tp2xpp2": (4, ["data.micro_batch_size=4", "train.grad_accum=2", "parallel.tp=2", "parallel.pp=2"]),
     # Compositions (common/parallel/layouts.py): data parallelism inside pipeline stages, CP x TP.
     "pp2xfsdp2": (4, ["data.micro_batch_size=2", "train.grad_accum=2", "parallel.pp=2", "parallel.dp_shard=2"]),

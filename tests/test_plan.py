@@ -82,6 +82,7 @@ LAYOUTS = {
     "pp2-interleaved-ddp2": Layout(pp=2, dp_replicate=2, dp_mode="ddp", schedule="interleaved", stages_per_rank=2,
                                    microbatches=2),
     "cp2-tp2-fsdp2": Layout(dp_shard=2, cp=2, tp=2),
+    "hsdp2x2-cp2": Layout(dp_replicate=2, dp_shard=2, cp=2),
     "pp2-dp2-cp2-tp2": Layout(pp=2, dp_shard=2, cp=2, tp=2, microbatches=2),
 }
 

@@ -22,11 +22,20 @@ def apply_ddp(model: torch.nn.Module, mesh, device: torch.device) -> torch.nn.Mo
 
 def fsdp_mesh(mesh, dims: ParallelDims):
     """FSDP shards over dp_shard x cp; HSDP adds dp_replicate as the outer (replicating) dim."""
-    if dims.dp_replicate > 1:
-        # Without CP, dp_shard is the shard dim itself; HSDP x CP still slices the flattened dim
-        # from the root, which torch deprecates (see dims.submesh)
-        return mesh["dp_replicate", "dp_shard" if dims.cp == 1 else "dp_shard_cp"]
-    return submesh(mesh, "dp_shard_cp")
+    if dims.dp_replicate == 1:
+        return submesh(mesh, "dp_shard_cp")
+    if dims.cp == 1:
+        return mesh["dp_replicate", "dp_shard"]
+    # HSDP x CP: mesh["dp_replicate", "dp_shard_cp"] would slice a flattened dim from the root,
+    # which torch deprecates (see dims.submesh). dp_cp spans (dp_replicate, dp_shard, cp),
+    # outermost first, so unflattened into (dp_replicate, dp_shard x cp) it is the same 2-D mesh.
+    # Unflattening creates process groups (a collective over all ranks): once per world mesh.
+    hsdp = getattr(mesh, "_hsdp_cp_mesh", None)
+    if hsdp is None:
+        hsdp = submesh(mesh, "dp_cp")._unflatten(0, (dims.dp_replicate, dims.dp_shard * dims.cp),
+                                                  ("dp_replicate", "dp_shard_cp"))
+        mesh._hsdp_cp_mesh = hsdp
+    return hsdp
 
 
 def fsdp_kwargs(precision: PrecisionPolicy | None, *, reshard_after_forward: bool = True,

@@ -89,13 +89,9 @@ def _ddp_as_identity(lay: Layout):
 
 def inspect_rank(source, lay: Layout, rank: int, n_params: int = 4) -> dict:
     """Parallelize as `rank` and report what it holds and its groups."""
-    import warnings
-
     import torch.distributed as dist
     t0 = time.perf_counter()
     try:
-        # HSDP x CP still slices a flattened dim from the root mesh (common.parallel.data_parallel.fsdp_mesh)
-        warnings.filterwarnings("ignore", message="Slicing a flattened dim", category=UserWarning)
         pm = parallelize_rank(source, lay, rank)
         mesh = pm.mesh
         params = list(pm.module.named_parameters())
