@@ -98,6 +98,9 @@ class TrainConfig:
                                    "and input preparation) gathered, ranks above straggler_factor x the median "
                                    "logged (0: off)")
     straggler_factor: float = doc(1.2, "a rank slower than this factor x the median rank is a straggler")
+    input_warn_frac: float = doc(0.25, "warn (log line and an input_bound event) when waiting for the loader "
+                                       "plus preparing batches takes this share of a logged window's time, "
+                                       "saying which of the two it was (0: off)")
     keep_last: int = doc(3, "checkpoints kept (older ones are deleted once a newer one is complete)")
     sample_every: int = doc(0, "steps between sample grids (0: only at the end)")
     ema_decay: float = doc(0.999, "EMA decay of the weights used for sampling (0: no EMA)")
@@ -266,6 +269,8 @@ def check_run_config(cfg, positive: dict, choices: dict) -> None:
                        "train.profile_at": tc.profile_at}.items():
         if value < 0:
             raise ConfigError(f"{key}={value} must be >= 0 (0: off)")
+    if not 0.0 <= tc.input_warn_frac <= 1.0:
+        raise ConfigError(f"train.input_warn_frac={tc.input_warn_frac} must be in [0, 1] (0: off)")
     if tc.straggler_factor <= 1.0:
         raise ConfigError(f"train.straggler_factor={tc.straggler_factor} must be > 1")
     if cfg.data.num_workers < 0:

@@ -144,6 +144,46 @@ def operator_times(averages, steps: int, device: bool) -> list[tuple[str, float,
     return sorted(rows, key=lambda r: -r[1])
 
 
+class InputWait:
+    """How much of the logged steps' time went to inputs, split into waiting for the loader
+    (`fetch`: the workers' decoding and reading) and preparing batches in the training process
+    (`prepare`: frozen text tower, VAE, noise), with a warning when inputs take more than
+    `warn_frac` of a window. The first window is not judged (workers start, caches fill), and a
+    warning is repeated at most every `repeat` windows."""
+
+    def __init__(self, warn_frac: float, repeat: int = 10):
+        self.warn_frac, self.repeat = warn_frac, repeat
+        self.fetch_s = self.prepare_s = 0.0
+        self.windows, self.last_warned = 0, None
+
+    def add(self, fetch_s: float, prepare_s: float) -> None:
+        self.fetch_s += fetch_s
+        self.prepare_s += prepare_s
+
+    def end_window(self, elapsed: float, step: int, num_workers: int) -> tuple[dict, dict | None, str | None]:
+        """(metrics fields, event or None, message or None) for the window just logged; resets it."""
+        elapsed = max(elapsed, 1e-9)
+        fetch, prepare = self.fetch_s / elapsed, self.prepare_s / elapsed
+        fields = {"input_frac": fetch + prepare, "fetch_frac": fetch, "prepare_frac": prepare}
+        self.fetch_s = self.prepare_s = 0.0
+        self.windows += 1
+        judged = self.windows > 1 and self.warn_frac > 0
+        due = self.last_warned is None or self.windows - self.last_warned >= self.repeat
+        if not (judged and due and fetch + prepare >= self.warn_frac):
+            return fields, None, None
+        self.last_warned = self.windows
+        if fetch >= prepare:
+            advice = (f"the loader is too slow: more workers (data.num_workers={num_workers}), faster storage, "
+                      "or lighter decoding")
+        else:
+            advice = ("the training process prepares the batches: precompute text features and latents "
+                      "(python -m data.precompute) so the frozen towers do not run in the step")
+        message = (f"step {step}: inputs took {fetch + prepare:.0%} of the last window's time ({fetch:.0%} waiting "
+                   f"for the loader, {prepare:.0%} preparing batches); {advice}")
+        event = {"event": "input_bound", "step": step, **fields}
+        return fields, event, message
+
+
 class StepProfiler:
     """train.profile_at / profile_count: torch.profiler over steps [start, start + count), written
     per rank as a table of operators by self time (device time on a GPU) and a Chrome trace. A run

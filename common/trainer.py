@@ -26,7 +26,7 @@ from common.checkpoint import CheckpointManager, latest_complete
 from common.config import to_yaml
 from common.ema import EMA
 from common.faults import CheckpointInterval, FaultInjector, HangWatchdog, StragglerMonitor, interval_message
-from common.metrics import MetricsLogger, StepProfiler, memory_stats, resolve_peak
+from common.metrics import InputWait, MetricsLogger, StepProfiler, memory_stats, resolve_peak
 from common.optim import build_optimizer, lr_at
 from common.parallel.grads import clip_grads
 from common.parallel.parallel_model import ParallelModel
@@ -72,7 +72,9 @@ class Trainer:
         self.skipped_steps = 0
         self.corrupt_total = 0
         self.samples_seen = 0  # global samples trained on (with buckets, steps differ in size)
-        self.local_s = 0.0  # this rank's rank-local time in the last step (data + prepare): straggler report
+        # This rank's rank-local time in the last step: waiting for the loader and preparing the
+        # batches (straggler report, input_frac).
+        self.fetch_s = self.prepare_s = 0.0
 
     # ------------------------------------------------------------------ state
     def _tensor_state(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -123,7 +125,7 @@ class Trainer:
         batches = [next(it) for _ in range(accum)]
         if self.faults is not None:  # MMP_FAULT_RECORD_KEYS: which samples each step trains on
             self.faults.record_keys(self.step + 1, batches)
-        self.local_s = time.perf_counter() - t0
+        self.fetch_s, self.prepare_s = time.perf_counter() - t0, 0.0
         corrupt = sum(int(b.get("__corrupt__", 0)) for b in batches)
         samples = sum(len(b["__position__"]) for b in batches)
         flops = 0.0
@@ -131,7 +133,7 @@ class Trainer:
             # The pipeline splits the step's batch back into grad_accum microbatches.
             t0 = time.perf_counter()
             prepared = [self.prepare(b) for b in batches]
-            self.local_s += time.perf_counter() - t0
+            self.prepare_s += time.perf_counter() - t0
             flops = sum(self.flops_fn(p[0]) for p in prepared) if self.flops_fn else 0.0
             inputs = tuple(torch.cat(parts) for parts in zip(*(p[0] for p in prepared)))
             target = torch.cat([p[1] for p in prepared])
@@ -143,7 +145,7 @@ class Trainer:
         for micro, batch in enumerate(batches):
             t0 = time.perf_counter()
             inputs, target = self.prepare(batch)  # one micro-batch's inputs alive at a time
-            self.local_s += time.perf_counter() - t0
+            self.prepare_s += time.perf_counter() - t0
             flops += self.flops_fn(inputs) if self.flops_fn else 0.0
             with self.model.no_sync() if ddp and micro < accum - 1 else contextlib.nullcontext():
                 with self.autocast():
@@ -169,7 +171,8 @@ class Trainer:
         clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
         it = iter(self.loader)
         bad_in_row = 0
-        window_t0, window_samples, window_flops, window_input_s = time.perf_counter(), 0, 0.0, 0.0
+        window_t0, window_samples, window_flops = time.perf_counter(), 0, 0.0
+        inputs_wait = InputWait(tc.input_warn_frac)
         profiler = StepProfiler((tc.profile_at, tc.profile_count) if tc.profile_at else None, cfg.run.dir,
                                 self.info.rank, self.info.device)
         watchdog = HangWatchdog(tc.hang_timeout_s, cfg.run.dir, self.info.rank)
@@ -220,7 +223,7 @@ class Trainer:
                 self.samples_seen += step_samples
                 window_samples += step_samples
                 window_flops += step_flops
-                window_input_s += self.local_s
+                inputs_wait.add(self.fetch_s, self.prepare_s)
                 profiled = profiler.after_step(self.step)
                 export_s = profiled["write_s"] if profiled is not None else 0.0
                 if profiled is not None:
@@ -229,7 +232,7 @@ class Trainer:
                     log.message(f"profile of steps {profiled['steps'][0]}-{profiled['steps'][1]}: {profiled['table']}")
                 log.advance()
                 interval.add_step_time(self.step, time.perf_counter() - step_t0 - export_s)
-                stragglers.add(self.local_s)
+                stragglers.add(self.fetch_s + self.prepare_s)
                 report = stragglers.end_step(self.step)
                 if report is not None and report.slow:
                     log.message(report.message())
@@ -237,10 +240,11 @@ class Trainer:
                 if self.step % tc.log_every == 0 or self.step == tc.steps:
                     elapsed = time.perf_counter() - window_t0
                     sps = window_samples / max(elapsed, 1e-9)
+                    wait_fields, wait_event, wait_message = inputs_wait.end_window(elapsed, self.step,
+                                                                                   self.cfg.data.num_workers)
                     scalars = {"loss": step_loss, "lr": lr, "grad_norm": grad_norm, "samples_per_s": sps,
                                "samples_seen": self.samples_seen, "skipped_steps": self.skipped_steps,
-                               "corrupt_samples": self.corrupt_total,
-                               "input_frac": window_input_s / max(elapsed, 1e-9),
+                               "corrupt_samples": self.corrupt_total, **wait_fields,
                                "epoch": getattr(self.loader, "epoch", 0), **memory_stats(self.info.device)}
                     if self.flops_fn:  # training ~ 3x the forward FLOPs
                         scalars["step_flops"] = 3.0 * step_flops
@@ -250,7 +254,10 @@ class Trainer:
                         if peak.matmul_flops and peak.matmul_flops != peak.flops:
                             scalars["mfu_matmul"] = achieved / peak.matmul_flops
                     log.log(self.step, scalars)
-                    window_t0, window_samples, window_flops, window_input_s = time.perf_counter(), 0, 0.0, 0.0
+                    if wait_event is not None:
+                        log.message(wait_message)
+                        log.event(**wait_event)
+                    window_t0, window_samples, window_flops = time.perf_counter(), 0, 0.0
                 if tc.stop_after and self.step == tc.stop_after:
                     log.message(f"stopping after step {self.step} (train.stop_after), as if killed")
                     log.close()

@@ -163,13 +163,47 @@ def test_profiled_steps_are_written_and_train_as_unprofiled_ones(vectors, tmp_pa
 
 
 def test_input_frac_is_the_share_of_time_spent_on_inputs(vectors, tmp_path):
-    """A rank that sleeps 0.3 s in its rank-local part of every step (as a starved loader would)
-    spends nearly all of a tiny model's step there."""
+    """A rank that sleeps 0.3 s while it waits for its batches in every step (as a starved loader
+    would) spends nearly all of a tiny model's step there, and is told so once, after the first
+    window (start-up) and naming the loader, not the preparation."""
     run = str(tmp_path / "slow")
-    toy_train(run, vectors, "train.steps=3", extra_env={"MMP_FAULT_SLOW_RANK": "0", "MMP_FAULT_SLOW_S": "0.3"})
+    proc = toy_train(run, vectors, "train.steps=3",
+                     extra_env={"MMP_FAULT_SLOW_RANK": "0", "MMP_FAULT_SLOW_S": "0.3"})
     rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
-    fracs = [r["input_frac"] for r in rows if "input_frac" in r]
-    assert len(fracs) == 3 and all(0.9 < f <= 1.0 for f in fracs), fracs
+    lines = [r for r in rows if "input_frac" in r and "event" not in r]
+    assert len(lines) == 3 and all(0.9 < r["input_frac"] <= 1.0 for r in lines), lines
+    assert all(r["fetch_frac"] > 0.9 and r["prepare_frac"] < 0.1 for r in lines), lines
+    assert all(abs(r["fetch_frac"] + r["prepare_frac"] - r["input_frac"]) < 1e-9 for r in lines)
+    [event] = [r for r in rows if r.get("event") == "input_bound"]
+    assert event["step"] == 2 and event["fetch_frac"] > 0.9, event
+    assert "waiting for the loader" in proc.stdout and "data.num_workers=0" in proc.stdout, proc.stdout[-2000:]
+    proc = toy_train(str(tmp_path / "bad"), vectors, "train.input_warn_frac=1.5", check=False)
+    assert proc.returncode == 2 and "train.input_warn_frac=1.5 must be in [0, 1]" in proc.stderr
+
+
+def test_input_wait_names_the_part_that_starves_the_step():
+    from common.metrics import InputWait
+    wait = InputWait(0.25, repeat=2)
+    wait.add(0.1, 0.5)  # window 1: start-up, not judged
+    fields, event, message = wait.end_window(1.0, 10, num_workers=4)
+    assert event is None and message is None and fields["prepare_frac"] == 0.5
+    wait.add(0.05, 0.45)
+    fields, event, message = wait.end_window(1.0, 20, num_workers=4)
+    assert event == {"event": "input_bound", "step": 20, **fields} and fields["input_frac"] == 0.5
+    assert "preparing batches" in message and "data.precompute" in message
+    wait.add(0.3, 0.0)
+    assert wait.end_window(1.0, 30, num_workers=4)[1] is None  # repeated at most every 2 windows
+    wait.add(0.3, 0.0)
+    _, event, message = wait.end_window(1.0, 40, num_workers=4)
+    assert event["step"] == 40 and "data.num_workers=4" in message
+    wait.add(0.1, 0.1)
+    wait.end_window(1.0, 50, num_workers=4)
+    wait.add(0.1, 0.1)  # under the threshold
+    assert wait.end_window(1.0, 60, num_workers=4)[1] is None
+    off = InputWait(0.0)
+    for step in (1, 2, 3):
+        off.add(1.0, 0.0)
+        assert off.end_window(1.0, step, num_workers=0)[1] is None
 
 
 def test_relaunch_with_another_model_keeps_the_run_config(vectors, tmp_path):
