@@ -176,6 +176,49 @@ def init_distributed(device: str = "auto", precision=None) -> DistInfo:
     return DistInfo(env.rank, env.world_size, env.local_rank, dev, policy)
 
 
+def distributed(group=None) -> bool:
+    """Whether a collective over `group` (default: the world) has other ranks to reach."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def collective_device(group=None) -> torch.device:
+    """Where a host value (a loss, a count, a time) must sit to be reduced over `group`. NCCL takes
+    CUDA tensors only and refuses a CPU one ("No backend type associated with device type cpu"),
+    so under NCCL it is this process's GPU; gloo and the other CPU backends take CPU tensors."""
+    if "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_tensor(t: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
+    """t reduced (sum or max) over `group`, on collective_device (moved there when it is not,
+    e.g. a CPU value under NCCL); t itself without other ranks."""
+    if not distributed(group):
+        return t
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+    t = t.to(collective_device(group))
+    dist.all_reduce(t, op=ops[op], group=group)
+    return t
+
+
+def all_reduce_floats(values, op: str = "sum", group=None) -> list[float]:
+    """Host floats reduced over `group` in one float64 collective (all_reduce_tensor)."""
+    if not distributed(group):
+        return [float(v) for v in values]
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=collective_device(group))
+    return all_reduce_tensor(t, op, group).tolist()
+
+
+def all_gather_floats(value: float, group=None) -> list[float]:
+    """Every rank's `value` (float64), in rank order of `group`."""
+    if not distributed(group):
+        return [float(value)]
+    mine = torch.tensor([float(value)], dtype=torch.float64, device=collective_device(group))
+    out = torch.empty(dist.get_world_size(group), dtype=torch.float64, device=mine.device)
+    dist.all_gather_into_tensor(out, mine, group=group)
+    return out.tolist()
+
+
 def teardown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from common import dist as mdist
+
 # EX_TEMPFAIL: "try again later" - a hang is not a bug in the config, a restart may well succeed.
 EXIT_HANG = 75
 _STDERR_FD = 2  # the process's stderr even where sys.stderr was replaced by an object without a fileno
@@ -178,11 +180,9 @@ class StragglerMonitor:
     def end_step(self, step: int) -> StragglerReport | None:
         if not self.every or self.world_size < 2 or step % self.every:
             return None
-        mine = torch.tensor([self._sum / max(self._n, 1)], dtype=torch.float64)
+        mine = self._sum / max(self._n, 1)
         self._sum, self._n = 0.0, 0
-        gathered = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        torch.distributed.all_gather(gathered, mine)
-        return find_stragglers([float(t) for t in gathered], self.factor, step)
+        return find_stragglers(mdist.all_gather_floats(mine), self.factor, step)
 
 
 # --------------------------------------------------------------------------- checkpoint interval
@@ -230,10 +230,7 @@ class CheckpointInterval:
         if not self.auto:
             return None
         step_s = self._step_sum / self._steps if self._steps else save_s
-        measured = torch.tensor([save_s, step_s, write_s], dtype=torch.float64)
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            torch.distributed.all_reduce(measured, op=torch.distributed.ReduceOp.MAX)
-        save_s, step_s, write_s = (float(v) for v in measured)
+        save_s, step_s, write_s = mdist.all_reduce_floats([save_s, step_s, write_s], op="max")
         self.every = young_daly_steps(save_s, step_s, self.mtbf_hours, min_interval_s=write_s)
         self.next_step = step + self.every
         return {"event": "ckpt_interval", "step": step, "every_steps": self.every, "save_s": save_s,

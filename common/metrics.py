@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from common.dist import all_gather_floats
+
 
 def meta_forward_flops(build, make_args) -> int:
     """Forward FLOPs (2 per multiply-add) of build()(*make_args()), counted by
@@ -64,12 +66,10 @@ def measured_matmul_peak(device: torch.device, dtype: torch.dtype) -> float:
         if ranks > 1 and device.type == "cpu":
             rank = dist.get_rank()
             local = int(os.environ.get("LOCAL_RANK", rank))
-            mine = torch.tensor([measure_matmul_peak(device, dtype, n=n) if local == 0 else 0.0], dtype=torch.float64)
-            values = [torch.zeros_like(mine) for _ in range(ranks)]
-            dist.all_gather(values, mine)
+            values = all_gather_floats(measure_matmul_peak(device, dtype, n=n) if local == 0 else 0.0)
             # torchrun numbers each host's ranks contiguously: the leader is rank - local rank
             # (any measured figure if a launcher numbered them otherwise).
-            _MEASURED[key] = float(values[rank - local]) or max(float(v) for v in values)
+            _MEASURED[key] = values[rank - local] or max(values)
         else:
             _MEASURED[key] = measure_matmul_peak(device, dtype, n=n)
     return _MEASURED[key]

@@ -192,10 +192,7 @@ class Trainer:
                 # Counts are divided by the ranks reading the same samples, so their sums are global.
                 share = step_loss / self.pm.ranks_per_stage if self.pm.holds_loss else 0.0
                 replicas = self.info.world_size // self.pm.dp_size
-                totals = torch.tensor([share, corrupt / replicas, samples / replicas, flops / replicas],
-                                      dtype=torch.float64)
-                if self.info.world_size > 1:
-                    torch.distributed.all_reduce(totals)
+                totals = mdist.all_reduce_floats([share, corrupt / replicas, samples / replicas, flops / replicas])
                 step_loss = float(totals[0])
                 self.corrupt_total += round(float(totals[1]))
                 for hook in self.pm.grad_hooks:

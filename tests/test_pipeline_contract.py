@@ -181,6 +181,27 @@ def test_input_frac_is_the_share_of_time_spent_on_inputs(vectors, tmp_path):
     assert proc.returncode == 2 and "train.input_warn_frac=1.5 must be in [0, 1]" in proc.stderr
 
 
+def test_training_reduces_host_values_only_through_the_device_aware_helpers(vectors, tmp_path):
+    """Two ranks of the toy pipeline with a straggler report every step and the automatic
+    checkpoint interval (a max over ranks): every collective our code issues comes from
+    common.dist's helpers, which put host values and the gradient norm's sum on the device the
+    backend takes (NCCL: the GPU); and the sums are right."""
+    from tests.conftest import run_checked, train_cmd
+    run = str(tmp_path / "run")
+    args = [f"run.dir={run}", f"data.train_shards={vectors}/train", f"data.eval_shards={vectors}/heldout",
+            "data.micro_batch_size=4", "data.num_workers=0", "train.steps=4", "train.log_every=1",
+            "train.ckpt_every=auto", "train.straggler_every=1", "train.progress=false", "sample.num=0"]
+    proc = run_checked(train_cmd(2, "tests.collective_audit") + args, timeout=300)
+    for rank in range(2):
+        callers = json.load(open(os.path.join(run, f"collectives_rank{rank}.json")))
+        assert set(callers) == {"common.dist:all_reduce_tensor", "common.dist:all_gather_floats"}, callers
+        assert callers["common.dist:all_gather_floats"] == 4, callers  # the straggler reports
+        assert callers["common.dist:all_reduce_tensor"] == 4 + 4 + 1, callers  # totals, grad norms, interval
+    rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    assert [r["samples_seen"] for r in rows if "loss" in r] == [8, 16, 24, 32], proc.stdout[-2000:]
+    assert any(r.get("event") == "ckpt_interval" for r in rows), rows
+
+
 def test_input_wait_names_the_part_that_starves_the_step():
     from common.metrics import InputWait
     wait = InputWait(0.25, repeat=2)
