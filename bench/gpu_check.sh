@@ -9,7 +9,8 @@
 #               .venv/bin/python with torch + triton, else the image's python3 (never `make setup`:
 #               the box has no network)
 #   1. env      python / torch / triton versions, the device, nvidia-smi
-#   2. tests    pytest tests/test_triton_ops.py tests/test_triton_attention.py natively on CUDA
+#   2. tests    pytest tests/test_triton_ops.py tests/test_triton_attention.py natively on CUDA, and
+#               tests/test_dist_collectives.py (NCCL refuses CPU tensors; common.dist's device)
 #               (the Triton-interpreter cases are left to the CPU suite: -k "not interpret"); at most
 #               150 s: mostly Triton compiling each checked shape (70 s on an H200, 2026-12-04)
 #   3. kernels  bench/kernels.py --check: attention fwd+bwd vs SDPA (and SDPA pinned to flash) at
@@ -333,7 +334,7 @@ fi
 # ---- 2. native kernel tests ------------------------------------------------------------------------
 t0=$SECONDS
 if cuda_step tests; then
-  tests=(tests/test_triton_ops.py tests/test_triton_attention.py)
+  tests=(tests/test_triton_ops.py tests/test_triton_attention.py tests/test_dist_collectives.py)
   # megatron-core LM backend: logits of GPTModel vs our Llama, where the image has megatron-core
   "$PY" -c "import megatron.core" >/dev/null 2>&1 && [ -f tests/test_llama_megatron.py ] && tests+=(tests/test_llama_megatron.py)
   T=$(budget 150 $((260 + LATER_MIN)))
