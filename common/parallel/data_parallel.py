@@ -30,12 +30,11 @@ def fsdp_mesh(mesh, dims: ParallelDims):
     # which torch deprecates (see dims.submesh). dp_cp spans (dp_replicate, dp_shard, cp),
     # outermost first, so unflattened into (dp_replicate, dp_shard x cp) it is the same 2-D mesh.
     # Unflattening creates process groups (a collective over all ranks): once per world mesh.
-    hsdp = getattr(mesh, "_hsdp_cp_mesh", None)
-    if hsdp is None:
-        hsdp = submesh(mesh, "dp_cp")._unflatten(0, (dims.dp_replicate, dims.dp_shard * dims.cp),
-                                                  ("dp_replicate", "dp_shard_cp"))
-        mesh._hsdp_cp_mesh = hsdp
-    return hsdp
+    sizes = (dims.dp_replicate, dims.dp_shard * dims.cp)
+    made = mesh.__dict__.setdefault("_hsdp_cp_meshes", {})
+    if sizes not in made:
+        made[sizes] = submesh(mesh, "dp_cp")._unflatten(0, sizes, ("dp_replicate", "dp_shard_cp"))
+    return made[sizes]
 
 
 def fsdp_kwargs(precision: PrecisionPolicy | None, *, reshard_after_forward: bool = True,
