@@ -176,8 +176,8 @@ class InputWait:
             advice = (f"the loader is too slow: more workers (data.num_workers={num_workers}), faster storage, "
                       "or lighter decoding")
         else:
-            advice = ("the training process prepares the batches: precompute text features and latents "
-                      "(python -m data.precompute) so the frozen towers do not run in the step")
+            advice = ("the training process's own preparation is slow: where the pipeline runs frozen "
+                      "towers (text encoder, VAE), precompute their outputs (python -m data.precompute)")
         message = (f"step {step}: inputs took {fetch + prepare:.0%} of the last window's time ({fetch:.0%} waiting "
                    f"for the loader, {prepare:.0%} preparing batches); {advice}")
         event = {"event": "input_bound", "step": step, **fields}
