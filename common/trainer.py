@@ -140,7 +140,7 @@ class Trainer:
             with self.autocast():
                 loss = self.pm.pipeline.step(inputs, target)
             return (float(loss) if loss is not None else 0.0), corrupt, samples, flops
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        loss_sum = None  # on the loss's device: a .cpu() per micro-batch would wait for its backward
         ddp = isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
         for micro, batch in enumerate(batches):
             t0 = time.perf_counter()
@@ -151,8 +151,9 @@ class Trainer:
                 with self.autocast():
                     loss = self.criterion(self.model(*inputs), target)
                 (loss / accum).backward()
-            loss_sum += loss.detach().double().cpu()
-        return float(loss_sum / accum), corrupt, samples, flops
+            part = loss.detach().double()
+            loss_sum = part if loss_sum is None else loss_sum + part
+        return float(loss_sum.cpu() / accum), corrupt, samples, flops
 
     def fit(self) -> dict:
         cfg, tc = self.cfg, self.cfg.train
