@@ -26,7 +26,9 @@
 #               torch.profiler (train.profile_at): samples/s, input_frac (share of the step the host
 #               spent fetching and preparing batches), device-busy vs wall ms per step and the top
 #               kernels; profile_metrics.jsonl and profile_rank0.txt. The third lease found this
-#               step host-bound (the GPU busy 66 ms of 319), before the fixes of ef32944 / 4305afc.
+#               step host-bound (the GPU busy 66 ms of 319), before the fixes of ef32944 / 4305afc
+#               (no NaN fill, fused AdamW on DTensors), a9f41c8 (mul_add is addcmul on a GPU) and
+#               19a672a (new captions through the text tower 16 at a time: epoch 0's input_frac).
 #               GPU_CHECK_PROFILE_VARIANTS="eager compile" adds the same run with
 #               parallel.compile=true (step profile_compile, files profile_compile_*)
 #   7. lowp     bench/lowp_loss.py: fp8 numerics in training, the same config and data for 200
