@@ -148,7 +148,8 @@ class InputWait:
     """How much of the logged steps' time went to inputs, split into waiting for the loader
     (`fetch`: the workers' decoding and reading) and preparing batches in the training process
     (`prepare`: frozen text tower, VAE, noise), with a warning when inputs take more than
-    `warn_frac` of a window. The first window is not judged (workers start, caches fill), and a
+    `warn_frac` of a window. Both are host time: on a GPU, what prepare launches runs
+    asynchronously and shows up in the step's device time instead. The first window is not judged (workers start, caches fill), and a
     warning is repeated at most every `repeat` windows."""
 
     def __init__(self, warn_frac: float, repeat: int = 10):
