@@ -1,5 +1,5 @@
 """The toy pipeline's training run with every torch.distributed collective our code calls
-recorded by its caller (tests/test_dist_collectives.py): `python -m tests.collective_audit ARGS`
+recorded by its caller (tests/test_pipeline_contract.py): `python -m tests.collective_audit ARGS`
 under torchrun, the toy's train arguments. Each rank writes run.dir/collectives_rank<r>.json."""
 import atexit
 import json
@@ -15,7 +15,7 @@ NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "red
 def install(path: str) -> None:
     callers: dict[str, int] = {}
 
-    def wrap(name, fn):
+    def wrap(fn):
         def audited(*args, **kwargs):
             frame = sys._getframe(1)
             caller = f"{frame.f_globals.get('__name__')}:{frame.f_code.co_name}"
@@ -24,7 +24,7 @@ def install(path: str) -> None:
         return audited
 
     for name in NAMES:
-        setattr(dist, name, wrap(name, getattr(dist, name)))
+        setattr(dist, name, wrap(getattr(dist, name)))
 
     def write():
         with open(path, "w") as f:
