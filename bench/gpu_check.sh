@@ -18,7 +18,8 @@
 #               memory vs eager at a 128k vocabulary
 #   4. train    bench/gpu_train_bench.py: DiT-XL/2 text2image training steps/s and MFU for bf16,
 #               bf16 + torch.compile (per block), fp8 tensorwise and rowwise (ratios to bf16)
-#   5. smoke    FSDP2 + bf16, one rank: the real train CLI (torchrun) on synthetic shards for 15
+#   5. smoke    FSDP2 + bf16, one rank (two with NCCL where the machine has two GPUs): the real
+#               train CLI (torchrun) on synthetic shards for 15
 #               steps with a checkpoint at step 10, "killed" at 15, then resumed (run.resume=auto)
 #               to step 20; checks the resume event in metrics.jsonl and the step-20 checkpoint
 #   6. profile  the real train CLI on DiT-B/2-sized configs/base.yaml (64 px synthetic shapes, batch
@@ -415,9 +416,14 @@ else
           "data.train_shards=$SYN/train" "data.eval_shards=$SYN/heldout" data.num_workers=1
           train.steps=20 train.ckpt_every=10 train.log_every=5 train.sample_every=0 train.progress=false
           optim.warmup_steps=5 sample.num=4 sample.steps=2)
-    TRAIN=("$PY" -m torch.distributed.run --standalone --nproc_per_node 1 -m pipelines.text2image.train)
+    # Two ranks where the machine has two GPUs: NCCL across ranks is what one GPU cannot check
+    # (it refuses two ranks on one device). GPU_CHECK_SMOKE_NPROC overrides (the CPU dry run: gloo).
+    NGPU=1
+    [ "$CUDA" = 1 ] && NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 1)
+    SMOKE_NPROC=${GPU_CHECK_SMOKE_NPROC:-$(( NGPU >= 2 ? 2 : 1 ))}
+    TRAIN=("$PY" -m torch.distributed.run --standalone --nproc_per_node "$SMOKE_NPROC" -m pipelines.text2image.train)
     reason="" status=ok
-    log "smoke: synthetic shards, then train (dp_mode=$SMOKE_DP) to step 15 (checkpoint at 10), resume to 20 (at most $T s)"
+    log "smoke: synthetic shards, then train (dp_mode=$SMOKE_DP, $SMOKE_NPROC rank(s)) to step 15 (checkpoint at 10), resume to 20 (at most $T s)"
     if ! timeout -k 5 30 "$PY" -m data.synth --out "$SYN" --count 640 --heldout-count 32 --shard-size 64 --no-progress; then
       status=failed reason="data.synth failed"
     else
@@ -442,7 +448,7 @@ else
       fi
     fi
     [ -f "$RUN/metrics.jsonl" ] && cp -f "$RUN/metrics.jsonl" "$RES/smoke_metrics.jsonl"
-    rec smoke "$status" $((SECONDS - t0)) "$reason" smoke "$RUN/metrics.jsonl"
+    rec smoke "$status" $((SECONDS - t0)) "$SMOKE_NPROC rank(s)${reason:+; $reason}" smoke "$RUN/metrics.jsonl"
   fi
 fi
 
