@@ -19,9 +19,9 @@
 #   4. train    bench/gpu_train_bench.py: DiT-XL/2 text2image training steps/s and MFU for bf16,
 #               bf16 + torch.compile (per block), fp8 tensorwise and rowwise (ratios to bf16)
 #   5. smoke    FSDP2 + bf16, one rank (two with NCCL where the machine has two GPUs): the real
-#               train CLI (torchrun) on synthetic shards for 15
-#               steps with a checkpoint at step 10, "killed" at 15, then resumed (run.resume=auto)
-#               to step 20; checks the resume event in metrics.jsonl and the step-20 checkpoint
+#               train CLI (torchrun) on synthetic shards for 15 steps with a checkpoint at step 10,
+#               "killed" at 15, then resumed (run.resume=auto) to step 20; checks the resume event
+#               in metrics.jsonl and the step-20 checkpoint
 #   6. profile  the real train CLI on DiT-B/2-sized configs/base.yaml (64 px synthetic shapes, batch
 #               64, bf16, eager, one process, 8 loader workers) for 60 steps, steps 41-43 under
 #               torch.profiler (train.profile_at): samples/s, input_frac (share of the step the host
@@ -262,15 +262,18 @@ cuda_step() {
 
 # ---- 0. wheels + python ----------------------------------------------------------------------------
 t0=$SECONDS
-probe() { timeout 90 "$1" -c "import torch, triton; print(int(torch.cuda.is_available()))" 2>/dev/null | tail -n 1; }
+# prints the number of usable GPUs (0 without CUDA)
+probe() { timeout 90 "$1" -c "import torch, triton; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" \
+  2>/dev/null | tail -n 1; }
 PY=""
 CUDA=0
+NGPU=0
 for cand in "${GPU_CHECK_PYTHON:-}" .venv/bin/python python3; do
   [ -n "$cand" ] || continue
   command -v "$cand" >/dev/null 2>&1 || [ -x "$cand" ] || continue
   c=$(probe "$cand")
   [ -n "$c" ] || continue
-  if [ "$c" = 1 ]; then PY=$cand; CUDA=1; break; fi
+  if [ "$c" -ge 1 ] 2>/dev/null; then PY=$cand; CUDA=1; NGPU=$c; break; fi
   [ -z "$PY" ] && PY=$cand  # has torch + triton but no CUDA: kept unless a later one sees the GPU
 done
 if [ -z "$PY" ]; then
@@ -418,8 +421,6 @@ else
           optim.warmup_steps=5 sample.num=4 sample.steps=2)
     # Two ranks where the machine has two GPUs: NCCL across ranks is what one GPU cannot check
     # (it refuses two ranks on one device). GPU_CHECK_SMOKE_NPROC overrides (the CPU dry run: gloo).
-    NGPU=1
-    [ "$CUDA" = 1 ] && NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 1)
     SMOKE_NPROC=${GPU_CHECK_SMOKE_NPROC:-$(( NGPU >= 2 ? 2 : 1 ))}
     TRAIN=("$PY" -m torch.distributed.run --standalone --nproc_per_node "$SMOKE_NPROC" -m pipelines.text2image.train)
     reason="" status=ok

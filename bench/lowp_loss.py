@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -51,16 +52,12 @@ DEFAULT_RECIPES = {
 LAST = 20  # steps averaged for the final loss
 
 
-def _mid(xs):
-    """The median of a non-empty list (the upper one of an even count)."""
-    return sorted(xs)[len(xs) // 2]
-
-
 class Run:
     """One recipe's training run as a subprocess writing its own log and metrics."""
 
     def __init__(self, name: str, seed: int | None, args, data: str, work: str):
         self.name, self.seed, self.steps = name, seed, args.steps
+        self.label = name if seed is None else f"{name} (seed {seed})"
         self.run_dir = os.path.join(work, name.replace(" ", "_").replace(",", "")
                                     + ("" if seed is None else f"_seed{seed}"))
         cmd = [sys.executable, "-m", "pipelines.text2image.train", "--config", args.config,
@@ -86,8 +83,10 @@ class Run:
         input_frac = [r["input_frac"] for r in rows if "input_frac" in r]
         converted = next((line for line in out.splitlines() if "linears converted" in line), "")
         last = [losses[s] for s in range(self.steps - LAST + 1, self.steps + 1) if s in losses]
-        return {"status": "ok", "final_loss": sum(last) / len(last), "median_samples_per_s": _mid([r["samples_per_s"] for r in rows if "samples_per_s" in r]),
-                "median_input_frac": _mid(input_frac) if input_frac else None,
+        sps = [r["samples_per_s"] for r in rows if "samples_per_s" in r]
+        return {"status": "ok", "final_loss": sum(last) / len(last),
+                "median_samples_per_s": statistics.median_high(sps),
+                "median_input_frac": statistics.median_high(input_frac) if input_frac else None,
                 "converted": converted, "wall_s": round(time.time() - self.t0, 1)}
 
 
@@ -157,7 +156,7 @@ def main(argv=None) -> int:
                    "seeds": {str(k): v for k, v in per.items()}}
             if ok:
                 agg["final_loss"] = sum(r["final_loss"] for r in ok) / len(ok)
-                agg["median_samples_per_s"] = _mid([r["median_samples_per_s"] for r in ok])
+                agg["median_samples_per_s"] = statistics.median_high([r["median_samples_per_s"] for r in ok])
                 agg["converted"] = ok[0]["converted"]
                 gaps = [r["loss_vs_baseline"] for r in ok if "loss_vs_baseline" in r]
                 if gaps:  # paired by seed: a bias keeps its sign, divergence between runs does not
@@ -179,10 +178,9 @@ def main(argv=None) -> int:
         pending, running = list(jobs), []
         while pending or running:
             while pending and len(running) < parallel:
-                name, seed = pending.pop(0)
-                label = name if seed is None else f"{name} (seed {seed})"
-                print(f"[lowp_loss] {label}: {args.steps} steps ...", flush=True)
-                running.append(Run(name, seed, args, data, work))
+                run = Run(*pending.pop(0), args, data, work)
+                print(f"[lowp_loss] {run.label}: {args.steps} steps ...", flush=True)
+                running.append(run)
             done = [r for r in running if r.proc.poll() is not None]
             if not done:
                 time.sleep(0.5)
@@ -193,8 +191,8 @@ def main(argv=None) -> int:
             aggregate()
             for run in done:
                 r = runs[run.name][run.seed]
-                print(f"[lowp_loss] {run.name}{'' if run.seed is None else f' (seed {run.seed})'}: "
-                      + json.dumps({k: v for k, v in r.items() if k != "log_tail"}), flush=True)
+                print(f"[lowp_loss] {run.label}: " + json.dumps({k: v for k, v in r.items() if k != "log_tail"}),
+                      flush=True)
             write()
         write()
     over = "" if len(seeds) == 1 else f", mean over seeds {args.seeds}"

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.dist import all_gather_floats
+from common.dist import all_gather_floats, distributed
 
 
 def meta_forward_flops(build, make_args) -> int:
@@ -61,10 +61,8 @@ def measured_matmul_peak(device: torch.device, dtype: torch.dtype) -> float:
     key = (device.type, device.index, dtype)
     if key not in _MEASURED:
         n = 1024 if device.type == "cpu" else 8192
-        dist = torch.distributed
-        ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        if ranks > 1 and device.type == "cpu":
-            rank = dist.get_rank()
+        if device.type == "cpu" and distributed():
+            rank = torch.distributed.get_rank()
             local = int(os.environ.get("LOCAL_RANK", rank))
             values = all_gather_floats(measure_matmul_peak(device, dtype, n=n) if local == 0 else 0.0)
             # torchrun numbers each host's ranks contiguously: the leader is rank - local rank
@@ -149,8 +147,9 @@ class InputWait:
     (`fetch`: the workers' decoding and reading) and preparing batches in the training process
     (`prepare`: frozen text tower, VAE, noise), with a warning when inputs take more than
     `warn_frac` of a window. Both are host time: on a GPU, what prepare launches runs
-    asynchronously and shows up in the step's device time instead. The first window is not judged (workers start, caches fill), and a
-    warning is repeated at most every `repeat` windows."""
+    asynchronously and shows up in the step's device time instead. The first window is not
+    judged (workers start, caches fill), and a warning is repeated at most every `repeat`
+    windows."""
 
     def __init__(self, warn_frac: float, repeat: int = 10):
         self.warn_frac, self.repeat = warn_frac, repeat

@@ -239,7 +239,7 @@ class Trainer:
                     elapsed = time.perf_counter() - window_t0
                     sps = window_samples / max(elapsed, 1e-9)
                     wait_fields, wait_event, wait_message = inputs_wait.end_window(elapsed, self.step,
-                                                                                   self.cfg.data.num_workers)
+                                                                                   cfg.data.num_workers)
                     scalars = {"loss": step_loss, "lr": lr, "grad_norm": grad_norm, "samples_per_s": sps,
                                "samples_seen": self.samples_seen, "skipped_steps": self.skipped_steps,
                                "corrupt_samples": self.corrupt_total, **wait_fields,
