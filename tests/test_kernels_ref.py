@@ -285,6 +285,49 @@ def test_fused_norm_rope_half_precision_and_fallbacks():
     torch.testing.assert_close(yr.double(), ref, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.skipif(_no_cpp_compiler(), reason="inductor's CPU backend needs a C++ compiler")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_composite_norm_rope_and_short_keys_attention_match_fp64(compiled):
+    # What torch.compile traces (and eager takes for DTensors and the reference backend): the
+    # composite QK-norm + RoPE (per-half rotation) and, on CPU with few keys, attention with the
+    # softmax scale on q under compile and on the scores in eager. Value and the gradients of x,
+    # the norm weights and v against float64 autograd through the plain formulas, on a head view
+    # (B, L, H, D) -> (B, H, L, D); tables whose halves differ, so no half is read for the other.
+    from torch._inductor.utils import run_and_get_code
+    g = torch.Generator().manual_seed(5)
+    b, h, n, d = 2, 3, 6, 8
+    xq, xk, v = (torch.randn(b, n, h, d, generator=g).mul(2).transpose(1, 2) for _ in range(3))
+    wq, wk = (torch.randn(d, generator=g) for _ in range(2))
+    cos, sin = torch.randn(n, d, generator=g), torch.randn(n, d, generator=g)
+    upstream = torch.randn(b, h, n, d, generator=g)
+
+    def block(xq, xk, v, wq, wk, cos, sin):
+        q = apply_rope(rms_norm(xq, wq, 1e-6, backend="reference"), cos, sin)
+        k = apply_rope(rms_norm(xk, wk, 1e-6, backend="reference"), cos, sin)
+        return attention(q, k, v)
+
+    leaves = [t.clone().requires_grad_() for t in (xq, xk, v, wq, wk)]
+    fn = torch.compile(block, backend="inductor", dynamic=False) if compiled else block
+    out, code = run_and_get_code(fn, *leaves, cos, sin) if compiled else (fn(*leaves, cos, sin), [])
+    out.backward(upstream)
+    if compiled:
+        # The short-keys math reaches Inductor's code as bmm + softmax with one row max: no
+        # finiteness check of scaled scores (an abs per score), no rewrite into the CPU flash
+        # kernel (which Inductor's attention pattern made of the scaled-scores form when nothing
+        # preceded it).
+        assert "flash_attention" not in code[0] and "bmm" in code[0] and "abs(" not in code[0]
+
+    ref_leaves = [t.double().requires_grad_() for t in (xq, xk, v, wq, wk)]
+    rq, rk, rv, rwq, rwk = ref_leaves
+    q, k = (_norm_rope_fp64(x, w, cos.double(), sin.double()) for x, w in ((rq, rwq), (rk, rwk)))
+    p = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(d), -1)
+    ref = p @ rv
+    ref.backward(upstream.double())
+    torch.testing.assert_close(out.double(), ref, atol=ATOL, rtol=RTOL)
+    for leaf, ref_leaf in zip(leaves, ref_leaves):
+        torch.testing.assert_close(leaf.grad.double(), ref_leaf.grad, atol=ATOL, rtol=RTOL)
+
+
 @pytest.mark.parametrize("dims", [(16,), (8, 8), (4, 6, 6)])
 def test_rope_preserves_norm(dims):
     L = 10

@@ -32,11 +32,6 @@ def rope_frequencies(positions: torch.Tensor, dims_per_axis: Sequence[int], thet
     return ang.cos().float(), ang.sin().float()
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
 def apply_rope(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor,
                *, backend: str | None = None) -> torch.Tensor:
     """x (B, H, L, D); freqs (L, D) or broadcastable. Computed in fp32, cast back."""
@@ -50,4 +45,10 @@ def apply_rope(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor
         unserved("apply_rope", backend, triton_rope.SUPPORTED)
     xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
     c, s = freqs_cos.to(xf.dtype), freqs_sin.to(xf.dtype)
-    return torch.addcmul(xf * c, _rotate_half(xf), s).to(x.dtype)
+    # Written per half, (x1 c1 - x2 s1, x2 c2 + x1 s2), rather than x c + rotate_half(x) s, whose
+    # cat of a negated half Inductor's backward turned into extra full-size passes: the compiled
+    # demo step's QK-norm + RoPE kernels (1 thread) went from 1.46 to 0.90 ms per block backward
+    # and 0.58 to 0.23 forward. Eager CPU/GPU runs mostly take the fused node (norm.py) or Triton.
+    h = xf.shape[-1] // 2
+    x1, x2 = xf[..., :h], xf[..., h:]
+    return torch.cat([x1 * c[..., :h] - x2 * s[..., :h], x2 * c[..., h:] + x1 * s[..., h:]], dim=-1).to(x.dtype)
