@@ -285,8 +285,8 @@ def test_fused_norm_rope_half_precision_and_fallbacks():
     torch.testing.assert_close(yr.double(), ref, atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.skipif(_no_cpp_compiler(), reason="inductor's CPU backend needs a C++ compiler")
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.skipif(
+    _no_cpp_compiler(), reason="inductor's CPU backend needs a C++ compiler"))])
 def test_composite_norm_rope_and_short_keys_attention_match_fp64(compiled):
     # What torch.compile traces (and eager takes for DTensors and the reference backend): the
     # composite QK-norm + RoPE (per-half rotation) and, on CPU with few keys, attention with the

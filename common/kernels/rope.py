@@ -48,7 +48,7 @@ def apply_rope(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor
     # Written per half, (x1 c1 - x2 s1, x2 c2 + x1 s2), rather than x c + rotate_half(x) s, whose
     # cat of a negated half Inductor's backward turned into extra full-size passes: the compiled
     # demo step's QK-norm + RoPE kernels (1 thread) went from 1.46 to 0.90 ms per block backward
-    # and 0.58 to 0.23 forward. Eager CPU/GPU runs mostly take the fused node (norm.py) or Triton.
+    # and 0.58 to 0.17 forward. Eager CPU/GPU runs mostly take the fused node (norm.py) or Triton.
     h = xf.shape[-1] // 2
     x1, x2 = xf[..., :h], xf[..., h:]
     return torch.cat([x1 * c[..., :h] - x2 * s[..., :h], x2 * c[..., h:] + x1 * s[..., h:]], dim=-1).to(x.dtype)
