@@ -16,6 +16,11 @@ def _fixed_inputs():
     torch.manual_seed(0)
 
 
+def _no_cpp_compiler() -> bool:
+    from common.parallel.compile import _cpp_compiler
+    return _cpp_compiler() is None
+
+
 def _qkv(b=2, h=4, hkv=4, lq=9, lk=9, d=16, seed=0):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(b, h, lq, d, generator=g), torch.randn(b, hkv, lk, d, generator=g),
@@ -71,6 +76,33 @@ def test_cpu_short_keys_take_math_and_match_fp64_with_grads(lk, mask_kind):
     ref_grads = torch.autograd.grad(ref, (qd, kd, vd), g.double())
     torch.testing.assert_close(out.double(), ref, atol=ATOL, rtol=RTOL)
     for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got.double(), want, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.skipif(
+    _no_cpp_compiler(), reason="inductor's CPU backend needs a C++ compiler"))])
+@pytest.mark.parametrize("lk", [16, 65])
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+def test_fully_masked_query_rows_give_zeros_either_side_of_the_math_threshold(mask_kind, lk, compiled):
+    # A query row with every key masked: zero output and zero, finite gradients, as the float64
+    # reference and SDPA (past CPU_MATH_MAX_KEYS) give; the short-keys math path gave NaN there.
+    # Per-query masks (B, 1, Lq, Lk), rows 2 and 5 empty in the first sample.
+    q, k, v = (t.requires_grad_() for t in _qkv(b=2, lq=8, lk=lk, d=16))
+    valid = torch.rand(2, 1, 8, lk) > 0.5
+    valid[..., 0] = True
+    valid[0, :, [2, 5]] = False
+    mask = valid if mask_kind == "bool" else torch.zeros(valid.shape).masked_fill(~valid, -math.inf)
+    fn = torch.compile(attention, backend="inductor", dynamic=False) if compiled else attention
+    out = fn(q, k, v, attn_mask=mask)
+    g = torch.randn(out.shape)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    assert torch.equal(out[0, :, [2, 5]], torch.zeros_like(out[0, :, [2, 5]]))
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, _ = attention_reference(qd, kd, vd, attn_mask=valid)
+    ref_grads = torch.autograd.grad(ref, (qd, kd, vd), g.double())
+    torch.testing.assert_close(out.double(), ref, atol=ATOL, rtol=RTOL)
+    for got, want in zip(grads, ref_grads):
+        assert got.isfinite().all()
         torch.testing.assert_close(got.double(), want, atol=ATOL, rtol=RTOL)
 
 
@@ -193,11 +225,6 @@ def test_gelu_tanh_sigmoid_form_matches_fp64():
     assert ((y.detach().double() - ref.detach()) / scale).abs().max() < 1e-6
     assert ((xs.grad.double() - xd.grad).abs()).max() < 1e-5
     torch.testing.assert_close(gelu_tanh(x), torch.nn.functional.gelu(x, approximate="tanh"), rtol=0, atol=0)
-
-
-def _no_cpp_compiler() -> bool:
-    from common.parallel.compile import _cpp_compiler
-    return _cpp_compiler() is None
 
 
 @pytest.mark.skipif(_no_cpp_compiler(), reason="inductor's CPU backend needs a C++ compiler")

@@ -114,9 +114,22 @@ def _short_keys_math(q, k, v, attn_mask, scale):
         s = torch.matmul(q * scale, k.transpose(-1, -2))
     else:
         s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    has_key = None
     if attn_mask is not None:
-        s = s.masked_fill(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool else s + attn_mask
-    return torch.matmul(s.softmax(-1), v)
+        # A query row whose keys are all masked gets a zero output and zero gradients, as SDPA
+        # gives past CPU_MATH_MAX_KEYS, not the NaN of a softmax over -inf alone: the row attends
+        # to every key and its output is multiplied by 0 (zeroing the probabilities instead
+        # made Inductor recompute the softmax in backward). Eager checks first (free on CPU), so
+        # masks without such rows run as before; compiled code cannot branch on the values.
+        is_bool = attn_mask.dtype == torch.bool
+        has_key = (attn_mask if is_bool else attn_mask > -math.inf).any(-1, keepdim=True)
+        if torch.compiler.is_compiling() or not bool(has_key.all()):
+            attn_mask = attn_mask | ~has_key if is_bool else attn_mask.masked_fill(~has_key, 0.0)
+        else:
+            has_key = None
+        s = s.masked_fill(~attn_mask, -math.inf) if is_bool else s + attn_mask
+    out = torch.matmul(s.softmax(-1), v)
+    return out if has_key is None else out * has_key.to(out.dtype)
 
 
 def _sdpa(q, k, v, causal, attn_mask, scale):
