@@ -318,9 +318,9 @@ def test_composite_norm_rope_and_short_keys_attention_match_fp64(compiled):
     # What torch.compile traces (and eager takes for DTensors and the reference backend): the
     # composite QK-norm + RoPE (rotated per half under compile, by rotate-half in eager) and, on
     # CPU with few keys, attention with the softmax scale on q under compile and on the scores in
-    # eager. Value and the gradients of x,
-    # the norm weights and v against float64 autograd through the plain formulas, on a head view
-    # (B, L, H, D) -> (B, H, L, D); tables whose halves differ, so no half is read for the other.
+    # eager. Value and the gradients of x, the norm weights and v against float64 autograd
+    # through the plain formulas, on a head view (B, L, H, D) -> (B, H, L, D); tables whose
+    # halves differ, so no half is read for the other.
     from torch._inductor.utils import run_and_get_code
     g = torch.Generator().manual_seed(5)
     b, h, n, d = 2, 3, 6, 8
