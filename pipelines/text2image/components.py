@@ -1,4 +1,5 @@
-"""Builds the pieces of a text2image run from its config: DiT, frozen text tower, optional VAE,
+"""Builds the pieces of a text2image run from its config: the denoiser (DiT, UNet, PixArt or SD3
+transformer), frozen text tower, optional VAE,
 objective, the training step functions, the sampler and the PNG writers. spec.py hands them to
 the shared entrypoints."""
 from __future__ import annotations
@@ -18,7 +19,7 @@ from common.diffusion import text_conditioned as tc
 from common.hf_folders import weights_variant
 from common.nn.text_encoder import build_text_encoder, text_signature
 from pipelines.text2image.config import T2IConfig
-from pipelines.text2image import pixart
+from pipelines.text2image import pixart, sd3
 from pipelines.text2image.model import DiT, dit_config
 from pipelines.text2image.unet import (FOLDER_PRESET, UNet, diffusers_config_mismatch, signature_fields,
                                        unet_config, unet_config_from_diffusers)
@@ -94,6 +95,11 @@ def pixart_folder(path: str) -> str | None:
     return denoiser_folder(path, pixart.CLASS_NAME, "transformer")
 
 
+def sd3_folder(path: str) -> str | None:
+    """The diffusers SD3Transformer2DModel folder in `path` (its transformer/, or itself)."""
+    return denoiser_folder(path, sd3.CLASS_NAME, "transformer")
+
+
 def read_folder_config(path: str, class_name: str = "UNet2DConditionModel", sub: str = "unet") -> dict:
     folder = denoiser_folder(path, class_name, sub) if os.path.isdir(path) else None
     if folder is None:
@@ -128,6 +134,30 @@ def build_pixart(cfg: T2IConfig, size: int, channels: int) -> pixart.PixArt:
     return model
 
 
+def build_sd3(cfg: T2IConfig, size: int, channels: int) -> sd3.SD3:
+    sizes = dict(img_size=size, in_channels=channels, text_dim=cfg.text.width, text_len=cfg.text.context_length)
+    if cfg.model.preset == FOLDER_PRESET:
+        folder_config = read_folder_config(cfg.model.init_from, sd3.CLASS_NAME, "transformer")
+        try:
+            scfg = sd3.sd3_config_from_diffusers(folder_config, **sizes)
+        except ValueError as e:
+            raise ConfigError(f"model.init_from={cfg.model.init_from}: its SD3 transformer cannot be trained "
+                              f"here: {e}") from None
+    else:
+        scfg = sd3.sd3_config(cfg.model.preset, **sizes, **model_overrides(cfg))
+    if size % scfg.patch_size:
+        raise ConfigError(f"model input size {size} is not divisible by the SD3 patch size {scfg.patch_size}")
+    if scfg.hidden % scfg.heads:
+        raise ConfigError(f"model.hidden={scfg.hidden} is not divisible by model.heads={scfg.heads}")
+    model = sd3.SD3(scfg)
+    if cfg.model.preset == FOLDER_PRESET:
+        wrong = sd3.diffusers_config_mismatch(model.transformer, folder_config)
+        if wrong:  # a setting the mapping above lost: refuse rather than train a different network
+            raise ConfigError(f"model.init_from={cfg.model.init_from}: the SD3 transformer built differs from "
+                              f"the folder's: {'; '.join(wrong[:4])}")
+    return model
+
+
 def build_unet(cfg: T2IConfig, size: int, channels: int) -> UNet:
     sizes = dict(img_size=size, in_channels=channels, text_dim=cfg.text.width, text_len=cfg.text.context_length)
     if cfg.model.preset == FOLDER_PRESET:
@@ -157,7 +187,7 @@ def build(cfg: T2IConfig) -> Components:
     text = build_text_encoder(cfg.text, cfg.run.seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(dnoise.mix_seed(cfg.run.seed, 102))
-        build_model = {"unet": build_unet, "pixart": build_pixart}.get(cfg.model.arch, build_dit)
+        build_model = {"unet": build_unet, "pixart": build_pixart, "sd3": build_sd3}.get(cfg.model.arch, build_dit)
         model = build_model(cfg, size, channels)
     return Components(cfg, model, text, tc.objective_from_config(cfg.diffusion), vae, channels, size)
 
@@ -168,6 +198,8 @@ def signature(cfg: T2IConfig, comp: Components) -> dict:
         model = signature_fields(comp.model.cfg)
     elif isinstance(comp.model, pixart.PixArt):
         model = pixart.signature_fields(comp.model.cfg)
+    elif isinstance(comp.model, sd3.SD3):
+        model = sd3.signature_fields(comp.model.cfg)
     else:
         model = dataclasses.asdict(comp.model.cfg)
     return {"pipeline": PIPELINE, "model": model,

@@ -42,8 +42,8 @@ from common.diffusion.pipeline_export import checkpoint_has_ema
 from common.hf_folders import weights_variant
 from common.nn.text_encoder import TextEncoder
 from pipelines.text2image.model import DiT, DiTConfig
-from pipelines.text2image import pixart
-from pipelines.text2image.components import pixart_folder, unet_folder
+from pipelines.text2image import pixart, sd3
+from pipelines.text2image.components import pixart_folder, sd3_folder, unet_folder
 from pipelines.text2image.unet import diffusers_config_mismatch, run_unet
 
 # diffusers finds a component's load method by the base classes its module exposes by name: this
@@ -195,6 +195,8 @@ def init_from(comp, path: str) -> str:
         return f"{_load_unet(comp, path)} (a UNet folder)"
     if isinstance(comp.model, pixart.PixArt) and pixart_folder(path) == path:
         return f"{_load_pixart(comp, path)} (a PixArt transformer folder)"
+    if isinstance(comp.model, sd3.SD3) and sd3_folder(path) == path:
+        return f"{_load_sd3(comp, path)} (an SD3 transformer folder)"
     from common.checkpoint import load_for_inference, read_meta, resolve_checkpoint
     try:
         ckpt = resolve_checkpoint(path)
@@ -239,6 +241,17 @@ def _load_pixart(comp, folder: str) -> str:
     return "transformer"
 
 
+def _load_sd3(comp, folder: str) -> str:
+    from diffusers import SD3Transformer2DModel
+    _load_diffusers_weights(comp.model.transformer, folder, SD3Transformer2DModel, sd3.diffusers_config_mismatch,
+                            "SD3 transformer")
+    return "transformer"
+
+
+# The diffusers transformers a pipeline folder's transformer/ may hold that a model.arch trains.
+_TRANSFORMER_ARCH = {pixart.CLASS_NAME: "pixart", sd3.CLASS_NAME: "sd3"}
+
+
 def _init_from_pipeline(comp, path: str) -> str:
     from safetensors.torch import load_file
 
@@ -258,10 +271,13 @@ def _init_from_pipeline(comp, path: str) -> str:
     loaded = []
     if isinstance(comp.model, pixart.PixArt) and pixart_folder(path) == os.path.join(path, "transformer"):
         loaded.append(_load_pixart(comp, os.path.join(path, "transformer")))
+    elif isinstance(comp.model, sd3.SD3) and sd3_folder(path) == os.path.join(path, "transformer"):
+        loaded.append(_load_sd3(comp, os.path.join(path, "transformer")))
     elif os.path.isdir(os.path.join(path, "transformer")):
         held = config("transformer").get("_class_name")
         if held != TextToImageDiTModel.__name__:
-            hint = " (model.arch=pixart model.preset=folder trains it)" if held == pixart.CLASS_NAME else ""
+            arch = _TRANSFORMER_ARCH.get(held)
+            hint = f" (model.arch={arch} model.preset=folder trains it)" if arch else ""
             raise ConfigError(f"model.init_from={path} holds a {held} (transformer/){hint}, this run's model is "
                               f"{type(comp.model).__name__}")
         if not isinstance(comp.model, DiT):
@@ -275,8 +291,9 @@ def _init_from_pipeline(comp, path: str) -> str:
     elif os.path.isdir(os.path.join(path, "unet")) and hasattr(comp.model, "unet"):
         loaded.append(_load_unet(comp, os.path.join(path, "unet")))
     else:
+        wanted = {pixart.PixArt: pixart.CLASS_NAME, sd3.SD3: sd3.CLASS_NAME}.get(type(comp.model))
         raise ConfigError(f"model.init_from={path}: no transformer/ or unet/ folder for a {type(comp.model).__name__}"
-                          + (f" (a {pixart.CLASS_NAME} in transformer/)" if isinstance(comp.model, pixart.PixArt) else ""))
+                          + (f" (a {wanted} in transformer/)" if wanted else ""))
     text_dir = os.path.join(path, "text_encoder")
     if isinstance(comp.text_encoder, TextEncoder) and os.path.isdir(text_dir):
         c = config("text_encoder")

@@ -146,6 +146,7 @@ def build_pipeline(comp, pipeline: str = "project"):
     from pipelines.text2image.diffusers_pipeline import (OpenCLIPTextModel, TextToImageDiTModel,
                                                          TextToImagePipeline, scheduler_for)
     from pipelines.text2image.model import DiT
+    from pipelines.text2image.sd3 import SD3
     denoiser = {}
     if isinstance(comp.model, DiT):
         denoiser["transformer"] = TextToImageDiTModel.from_dit(comp.model)
@@ -153,6 +154,10 @@ def build_pipeline(comp, pipeline: str = "project"):
         denoiser.update(unet=comp.model.unet, unet_pooled_text=bool(comp.model.cfg.pooled_text),
                         unet_patch_size=int(getattr(comp.model.cfg, "patch_size", 1)),
                         unet_text_mask=bool(getattr(comp.model.cfg, "text_mask", True)))
+    elif isinstance(comp.model, SD3):
+        raise ConfigError("a model.arch=sd3 run cannot be exported as a diffusers pipeline yet: diffusers' own "
+                          "StableDiffusion3Pipeline feeds its transformer from SD3's three text encoders, which "
+                          "this run does not have; its checkpoints load with model.init_from and sample.py")
     elif hasattr(comp.model, "transformer"):  # pipelines/text2image/pixart.py
         raise ConfigError("a model.arch=pixart run exports as diffusers' own PixArtAlphaPipeline: --pipeline pixart")
     else:

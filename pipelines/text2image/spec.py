@@ -16,6 +16,7 @@ from common.parallel.parallel_model import ParallelModel
 from pipelines.text2image import components
 from pipelines.text2image.config import T2IConfig
 from pipelines.text2image.pixart import PixArt
+from pipelines.text2image.sd3 import SD3
 from pipelines.text2image.unet import UNet
 
 
@@ -27,15 +28,16 @@ def decoder(comp: components.Components) -> ImageDecoder:
     return ImageDecoder(cfg.model.image_size, use_latents=bool(cfg.vae.path))
 
 
-def parallelize_diffusers_model(model: UNet | PixArt, cfg, info, *, microbatches: int = 1, criterion=None,
+def parallelize_diffusers_model(model: UNet | PixArt | SD3, cfg, info, *, microbatches: int = 1, criterion=None,
                                 name: str | None = None) -> ParallelModel:
-    """The plan of the diffusers-backed denoisers (the UNet, the PixArt transformer): data
+    """The plan of the diffusers-backed denoisers (the UNet, the PixArt and SD3 transformers): data
     parallelism only (parallel_limits refuses tp, cp and pp). Activation checkpointing and compile
-    per block (the UNet's resolution blocks down..., mid, up...; PixArt's transformer blocks), then
+    per block (the UNet's resolution blocks down..., mid, up...; the transformers' blocks), then
     DDP, or FSDP2 with each of those blocks a unit and the root owning the input and output layers
     and the time and text embeddings: the DiT's order (AC, compile, fully_shard per block, then the root)."""
     dims = ParallelDims.from_config(cfg, info.world_size)
-    check_layout(dims, cfg, model.parallel_limits(), f"{name or 'text2image'} with model.arch={'unet' if isinstance(model, UNet) else 'pixart'}")
+    arch = "unet" if isinstance(model, UNet) else "pixart" if isinstance(model, PixArt) else "sd3"
+    check_layout(dims, cfg, model.parallel_limits(), f"{name or 'text2image'} with model.arch={arch}")
     blocks = nn.ModuleList(model.blocks)  # a view: the blocks stay registered under the diffusers model only
     apply_block_options(blocks, cfg)
     mesh = dims.build_mesh(info.device.type)
@@ -44,7 +46,7 @@ def parallelize_diffusers_model(model: UNet | PixArt, cfg, info, *, microbatches
 
 def parallelize(model, cfg, info, **kwargs) -> ParallelModel:
     """model.arch: the diffusers-backed denoisers' plan or the DiT family's (common/nn/dit_parallel.py)."""
-    plan = parallelize_diffusers_model if isinstance(model, (UNet, PixArt)) else parallelize_dit
+    plan = parallelize_diffusers_model if isinstance(model, (UNet, PixArt, SD3)) else parallelize_dit
     return plan(model, cfg, info, **kwargs)
 
 
@@ -57,6 +59,10 @@ def describe(comp: components.Components) -> str:
         c = comp.model.cfg
         return (f"PixArt {comp.cfg.model.preset} (diffusers PixArtTransformer2DModel, hidden {c.hidden}, depth "
                 f"{c.depth}), {comp.num_tokens} tokens/sample")
+    if isinstance(comp.model, SD3):
+        c = comp.model.cfg
+        return (f"SD3 {comp.cfg.model.preset} (diffusers SD3Transformer2DModel, hidden {c.hidden}, depth {c.depth}), "
+                f"{comp.num_tokens} tokens/sample")
     return f"DiT, {comp.num_tokens} tokens/sample"
 
 
@@ -73,7 +79,7 @@ def init_model(comp: components.Components) -> None:
 SPEC = text_diffusion_spec(
     components,
     name="text2image",
-    description="Train a text-to-image DiT, UNet or PixArt transformer.",
+    description="Train a text-to-image DiT, UNet, PixArt or SD3 transformer.",
     config=T2IConfig,
     parallelize=parallelize,
     decoder=decoder,

@@ -1,0 +1,284 @@
+"""text2image with model.arch=sd3 (pipelines/text2image/sd3.py): diffusers' SD3 transformer (MMDiT)
+behind the DiT's interface. Its forward equals diffusers' own call with the run's caption features
+as the joint stream and their mean over real tokens as the pooled vector; the presets are SD3's
+settings; model.preset=folder builds an SD3-layout folder's exact transformer (SD3.5's dual
+attention and QK norm included) and model.init_from loads its weights; folders the pipeline cannot
+feed (SD3's own 2048-wide pooled CLIP features) are refused with the width named; a fine-tuned run
+samples through sample.py as the library draws; data parallelism equals one process."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+
+import pytest
+import torch
+from PIL import Image
+
+from tests.conftest import (ROOT, assert_same_training, final_weights, run_checked, run_module, shared_once,
+                            train_cmd)
+from tests.test_t2i_diffusers import CFG, FAST, PROMPTS, SEEDS, STEPS, ours
+
+TINY_YAML = os.path.join(ROOT, "pipelines/text2image/configs/tiny.yaml")
+WIDTH = 128  # tiny.yaml's text.width: the folder's caption and pooled widths
+# A small SD3.5-style transformer on 32 px pixels: QK RMS-norm, dual attention in its first block, a
+# position table larger than the 8 x 8 patch grid (cropped), sample_size unlike the run's.
+SD3_KWARGS = dict(sample_size=16, patch_size=4, in_channels=3, out_channels=3, num_layers=2, attention_head_dim=8,
+                  num_attention_heads=2, joint_attention_dim=WIDTH, caption_projection_dim=16,
+                  pooled_projection_dim=WIDTH, pos_embed_max_size=12, dual_attention_layers=[0], qk_norm="rms_norm")
+# stabilityai/stable-diffusion-3-medium-diffusers' transformer/config.json (bookkeeping keys aside).
+SD3_MEDIUM = dict(attention_head_dim=64, caption_projection_dim=1536, in_channels=16, joint_attention_dim=4096,
+                  num_attention_heads=24, num_layers=24, out_channels=16, patch_size=2, pooled_projection_dim=2048,
+                  pos_embed_max_size=192, sample_size=128)
+
+
+def make_sd3_folder(folder: str) -> None:
+    """A diffusers pipeline folder laid out as SD3's: model_index.json and transformer/ (random
+    weights, proj_out too, so that a load that silently kept the run's init would show)."""
+    from diffusers import SD3Transformer2DModel
+    torch.manual_seed(5)
+    SD3Transformer2DModel(**SD3_KWARGS).save_pretrained(os.path.join(folder, "transformer"))
+    json.dump({"_class_name": "StableDiffusion3Pipeline", "transformer": ["diffusers", "SD3Transformer2DModel"]},
+              open(os.path.join(folder, "model_index.json"), "w"))
+
+
+@pytest.fixture(scope="module")
+def sd3_folder(tmp_path_factory) -> str:
+    folder = str(tmp_path_factory.mktemp("sd3") / "sd3")
+    make_sd3_folder(folder)
+    return folder
+
+
+def folder_overrides(folder: str) -> list[str]:
+    return ["model.arch=sd3", "model.preset=folder", f"model.init_from={folder}"]
+
+
+def t2i_cfg(*overrides: str):
+    from common.config import build_config
+    from pipelines.text2image.config import T2IConfig
+    return build_config(T2IConfig, TINY_YAML, list(overrides))
+
+
+def tiny_sd3(**overrides):
+    from pipelines.text2image.sd3 import SD3, sd3_config
+    torch.manual_seed(0)
+    model = SD3(sd3_config("tiny", text_dim=32, text_len=8, **overrides))
+    with torch.no_grad():  # the zero-initialised output would make every comparison trivially equal
+        for p in model.parameters():
+            if not p.any():
+                p.normal_(0, 0.05)
+    return model.eval()
+
+
+def inputs(batch: int = 2, seed: int = 1, width: int = 32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, 3, 32, 32, generator=g)
+    t = torch.rand(batch, generator=g)
+    ctx = torch.randn(batch, 8, width, generator=g)
+    mask = torch.ones(batch, 8, dtype=torch.bool)
+    mask[0, 5:] = False
+    mask[1, 3:] = False
+    return x, t, ctx, mask
+
+
+def diffusers_call(transformer, x, t, ctx, pooled):
+    return transformer(hidden_states=x, encoder_hidden_states=ctx, pooled_projections=pooled, timestep=t * 1000,
+                       return_dict=False)[0]
+
+
+# --------------------------------------------------------------------------- the model
+def test_tiny_sd3_is_diffusers_called_with_pooled_caption():
+    """The wrapper's forward is SD3Transformer2DModel's at t * 1000, with the caption tokens as the
+    joint stream (padding included, as SD3 attends to it) and their mean over the real tokens as the
+    pooled vector; the untrained model predicts 0, as the DiT."""
+    from pipelines.text2image.sd3 import SD3, sd3_config
+    untrained = SD3(sd3_config("tiny", text_dim=32))
+    assert torch.all(untrained(*inputs()) == 0)
+    model = tiny_sd3()
+    x, t, ctx, mask = inputs()
+    pooled = torch.stack([ctx[0, :5].double().mean(0), ctx[1, :3].double().mean(0)]).float()
+    with torch.no_grad():
+        got = model(x, t, ctx, mask)
+        direct = diffusers_call(model.transformer, x, t, ctx, pooled)
+        noisy = ctx.clone()
+        noisy[~mask] = 10 * torch.randn(int((~mask).sum()), 32)
+        changed = model(x, t, noisy, mask)
+        unmasked = model(x, t, ctx, None)
+    torch.testing.assert_close(got, direct, rtol=1e-6, atol=1e-6)
+    assert (changed - got).abs().max() > 1e-4  # padded tokens are attended to, as SD3 does
+    assert (unmasked - got).abs().max() > 1e-4  # and without a mask the pooled vector is the plain mean
+    assert got.std() > 1e-3 and got.shape == x.shape
+
+
+def test_sd3_presets_and_flops():
+    """`medium` is SD3 Medium's transformer setting for setting but the pooled width (here the
+    run's text width, there CLIP-L + CLIP-G's 2048), about 2B parameters; the size fields size it."""
+    from pipelines.text2image.sd3 import SD3, diffusers_kwargs, sd3_config
+    kw = diffusers_kwargs(sd3_config("medium"))
+    assert {k: v for k, v in kw.items() if k in SD3_MEDIUM} == dict(SD3_MEDIUM, pooled_projection_dim=4096)
+    with torch.device("meta"):
+        medium = SD3(sd3_config("medium"))
+    assert len(medium.blocks) == 24 and 2.0e9 < sum(p.numel() for p in medium.parameters()) < 2.1e9
+    small, wide = tiny_sd3(), tiny_sd3(hidden=256, heads=8)
+    assert wide.flops_per_sample() > 3 * small.flops_per_sample() > 0
+
+
+def test_sd3_folder_config_maps_to_the_same_transformer():
+    """An SD3.5-style config (dual attention, QK norm, a cropped position table) round-trips through
+    SD3Config to the same constructor arguments."""
+    from pipelines.text2image.sd3 import diffusers_kwargs, sd3_config_from_diffusers
+    config = dict(SD3_KWARGS, _class_name="SD3Transformer2DModel", _diffusers_version="0.42.1")
+    cfg = sd3_config_from_diffusers(config, img_size=32, in_channels=3, text_dim=WIDTH, text_len=32)
+    assert (cfg.hidden, cfg.depth, cfg.heads, cfg.patch_size, cfg.qk_norm) == (16, 2, 2, 4, "rms_norm")
+    kw = diffusers_kwargs(cfg)
+    assert {k: list(v) if isinstance(v, tuple) else v for k, v in kw.items()} == SD3_KWARGS
+
+
+# --------------------------------------------------------------------------- folders
+def test_folder_sd3_loads_and_runs_as_diffusers_does(sd3_folder):
+    """model.preset=folder: the run's transformer is the folder's, weight for weight, and its forward
+    is diffusers' own call on the run's text features; a bare transformer/ folder reads the same."""
+    from diffusers import SD3Transformer2DModel
+
+    from pipelines.text2image import components
+    from pipelines.text2image.diffusers_pipeline import init_from
+    comp = components.build(t2i_cfg(*folder_overrides(sd3_folder)))
+    assert comp.model.cfg.qk_norm == "rms_norm" and comp.model.cfg.hidden == 16
+    assert "transformer of the pipeline folder" in init_from(comp, sd3_folder)
+    theirs = SD3Transformer2DModel.from_pretrained(os.path.join(sd3_folder, "transformer")).eval()
+    ours_model = comp.model.eval()
+    for k, v in theirs.state_dict().items():
+        assert torch.equal(ours_model.transformer.state_dict()[k], v), k
+    ctx, mask = comp.text_encoder(["a red circle", "a small blue square"])
+    assert not mask.all()
+    x, t, _, _ = inputs()
+    pooled = (ctx * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+    with torch.no_grad():
+        got = ours_model(x, t, ctx, mask)
+        full = diffusers_call(theirs, x, t, ctx, pooled)
+    torch.testing.assert_close(got, full, rtol=1e-6, atol=1e-6)
+    assert got.std() > 1e-3
+    bare = os.path.join(sd3_folder, "transformer")
+    comp2 = components.build(t2i_cfg(*folder_overrides(bare)))
+    assert "SD3 transformer folder" in init_from(comp2, bare)
+    for k, v in theirs.state_dict().items():
+        assert torch.equal(comp2.model.transformer.state_dict()[k], v), k
+
+
+def test_folder_sd3_refusals(sd3_folder, tmp_path):
+    from common.config import ConfigError
+    from pipelines.text2image import components
+    from pipelines.text2image.diffusers_pipeline import init_from
+    from pipelines.text2image.export import build_pipeline
+    from pipelines.text2image.sd3 import sd3_config_from_diffusers
+    sizes = dict(img_size=128, in_channels=16, text_dim=4096, text_len=256)
+    with pytest.raises(ValueError, match=r"pooled_projection_dim is 2048, .*\(text.width=4096\).*three-encoder"):
+        sd3_config_from_diffusers(SD3_MEDIUM, **sizes)
+    fits = dict(SD3_MEDIUM, pooled_projection_dim=4096)
+    assert sd3_config_from_diffusers(fits, **sizes).extra == {"pos_embed_max_size": 192}
+    for change, named in [({"joint_attention_dim": 768}, "caption width .* is 768, while text.width=4096"),
+                          ({"in_channels": 4, "out_channels": 4}, "4 to 4 channels, while .* has 16"),
+                          ({"out_channels": 32}, "16 to 32 channels"),
+                          ({"caption_projection_dim": 1152}, "caption_projection_dim=1152 differs"),
+                          ({"pos_embed_max_size": 32}, "covers 32 patches a side, fewer than the 64"),
+                          ({"_class_name": "PixArtTransformer2DModel"}, "not a SD3Transformer2DModel")]:
+        with pytest.raises(ValueError, match=named):
+            sd3_config_from_diffusers(dict(fits, **change), **sizes)
+    with pytest.raises(ConfigError, match="model.preset=folder takes the SD3 transformer's architecture"):
+        t2i_cfg("model.arch=sd3", "model.preset=folder")
+    with pytest.raises(ConfigError, match="holds no SD3Transformer2DModel"):
+        components.build(t2i_cfg(*folder_overrides(str(tmp_path))))
+    with pytest.raises(ConfigError, match="caption width .* while text.width=64"):
+        components.build(t2i_cfg(*folder_overrides(sd3_folder), "text.width=64"))
+    with pytest.raises(ConfigError, match="model.hidden=64 sizes the DiT; model.arch=sd3 is sized by"):
+        t2i_cfg(*folder_overrides(sd3_folder), "model.hidden=64")
+    with pytest.raises(ConfigError, match="model.preset='xl' is not a sd3 preset"):
+        t2i_cfg("model.arch=sd3", "model.preset=xl")
+    for dim in ("tp", "cp", "pp"):
+        with pytest.raises(ConfigError, match=f"parallel.{dim}=2 is not supported for text2image with model.arch=sd3"):
+            t2i_cfg("model.arch=sd3", f"parallel.{dim}=2")
+    # A preset run pointed at the folder: the architectures differ, and preset=folder is suggested.
+    preset = components.build(t2i_cfg("model.arch=sd3"))
+    with pytest.raises(ConfigError, match="model.preset=folder takes the folder's architecture"):
+        init_from(preset, sd3_folder)
+    # A DiT run pointed at an SD3 pipeline folder is told which arch reads it; export says why not.
+    dit = components.build(t2i_cfg())
+    with pytest.raises(ConfigError, match="holds a SD3Transformer2DModel .*model.arch=sd3 model.preset=folder"):
+        init_from(dit, sd3_folder)
+    with pytest.raises(ConfigError, match="model.arch=sd3 run cannot be exported"):
+        build_pipeline(preset)
+
+
+# --------------------------------------------------------------------------- fine-tune and sample
+def test_fine_tune_folder_sd3_and_sample(sd3_folder, synth_data, tmp_path):
+    """Three flow-matching steps from the folder's weights; the run's weights moved off them, and
+    sample.py draws from the run exactly what the library's generate draws."""
+    from diffusers import SD3Transformer2DModel
+
+    from common.run import load_run
+    from pipelines.text2image.spec import SPEC
+    run, out = str(tmp_path / "run"), str(tmp_path / "samples")
+    run_checked(train_cmd() + [
+        "--config", TINY_YAML, f"run.dir={run}", f"data.train_shards={synth_data}/train",
+        f"data.eval_shards={synth_data}/heldout", *folder_overrides(sd3_folder), "train.progress=false",
+        "data.num_workers=0", *FAST])
+    comp, _ = load_run(SPEC, run)
+    start = SD3Transformer2DModel.from_pretrained(os.path.join(sd3_folder, "transformer"))
+    moved = max((comp.model.transformer.state_dict()[k] - v).abs().max().item() for k, v in start.state_dict().items())
+    assert moved > 1e-4
+    _, ref = ours(comp)
+    assert ref.float().std() > 5
+    for prompt, seed, image in zip(PROMPTS, SEEDS, ref):
+        proc = run_module("pipelines.text2image.sample", "--run", run, "--prompt", prompt, "--out", out,
+                          "--seed", str(seed), "--steps", str(STEPS), "--cfg", str(CFG))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        (entry,) = [json.loads(line) for line in open(os.path.join(out, "index.jsonl"))]
+        assert (entry["prompt"], entry["seed"]) == (prompt, seed)
+        got = torch.from_numpy(np.array(Image.open(os.path.join(out, entry["file"]))))
+        assert torch.equal(got, image), prompt
+        shutil.rmtree(out)
+
+
+# --------------------------------------------------------------------------- data parallelism
+STEPS_DP = 5
+EQUIV = [f"train.steps={STEPS_DP}", "train.log_every=1", "train.ckpt_every=100", "train.sample_every=0",
+         "sample.num=0", "train.ema_decay=0.9", "model.arch=sd3", "text.width=32", "text.layers=1", "text.heads=2",
+         "text.context_length=16", "train.progress=false", "data.num_workers=0"]
+
+
+def run_sd3(run_dir: str, data_dir: str, *overrides: str, nproc: int = 1):
+    return run_checked(train_cmd(nproc) + ["--config", TINY_YAML, f"run.dir={run_dir}",
+                                           f"data.train_shards={data_dir}/train",
+                                           f"data.eval_shards={data_dir}/heldout", *EQUIV, *overrides])
+
+
+LAYOUTS = {
+    "ddp": ["data.micro_batch_size=4", "parallel.dp_mode=ddp"],
+    "fsdp-ac-full": ["data.micro_batch_size=4", "parallel.dp_mode=fsdp", "parallel.activation_checkpoint=full"],
+}
+
+
+@pytest.fixture(scope="module")
+def single_sd3_run(synth_data, tmp_path_factory):
+    return shared_once(tmp_path_factory, "sd3-single", lambda run: run_sd3(run, synth_data, "data.micro_batch_size=8"))
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_data_parallel_matches_single_process(single_sd3_run, synth_data, tmp_path, layout):
+    """DDP, and FSDP2 over SD3's joint blocks with full activation checkpointing, 2 ranks, equal one
+    process: losses and grad norms per step, final weights and EMA weights."""
+    from pipelines.text2image.spec import SPEC
+    par = str(tmp_path / "run")
+    run_sd3(par, synth_data, *LAYOUTS[layout], nproc=2)
+    assert_same_training(single_sd3_run, par, range(1, STEPS_DP + 1))
+    for use_ema in (False, True):
+        ref, got = (final_weights(SPEC, single_sd3_run, STEPS_DP, use_ema),
+                    final_weights(SPEC, par, STEPS_DP, use_ema))
+        assert ref.keys() == got.keys() and any(k.startswith("transformer.transformer_blocks.") for k in ref)
+        for name in ref:
+            torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6,
+                                       msg=f"{'EMA ' if use_ema else ''}{name}")
