@@ -109,6 +109,18 @@ def final_weights(spec, run: str, step: int, use_ema: bool = False) -> dict:
     return {k: v.clone() for k, v in comp.model.state_dict().items()}
 
 
+def assert_same_final_weights(spec, ref_run: str, run: str, step: int, prefix: str = "") -> None:
+    """The final trained and EMA weights of `run` equal `ref_run`'s (rtol 1e-5, atol 1e-6), over the
+    same parameter names (some of them starting with `prefix`)."""
+    import torch
+    for use_ema in (False, True):
+        ref, got = final_weights(spec, ref_run, step, use_ema), final_weights(spec, run, step, use_ema)
+        assert ref.keys() == got.keys() and any(k.startswith(prefix) for k in ref)
+        for name in ref:
+            torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6,
+                                       msg=f"{'EMA ' if use_ema else ''}{name}")
+
+
 def assert_same_training(ref_run: str, run: str, steps) -> None:
     """Per-step loss and gradient norm of `run` equal those of `ref_run` (rtol 1e-5)."""
     ref, par = read_metrics(ref_run), read_metrics(run)

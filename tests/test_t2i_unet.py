@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from tests.conftest import ROOT, assert_same_training, final_weights, read_metrics, run_checked, run_module, shared_once, train_cmd
+from tests.conftest import (ROOT, assert_same_final_weights, assert_same_training, final_weights, read_metrics,
+                            run_checked, run_module, shared_once, train_cmd)
 
 UNET_YAML = os.path.join(ROOT, "pipelines/text2image/configs/tiny_unet.yaml")
 # The tiny UNet with a small text tower (its width is the UNet's cross-attention width).
@@ -265,11 +266,6 @@ def test_data_parallel_matches_single_process(single_unet_run, synth_data, tmp_p
     run = str(tmp_path / "run")
     run_unet(run, synth_data, *EQUIV, *LAYOUTS[layout], nproc=2)
     assert_same_training(single_unet_run, run, range(1, STEPS + 1))
-    for use_ema in (False, True):
-        ref, par = final_weights(SPEC, single_unet_run, STEPS, use_ema), final_weights(SPEC, run, STEPS, use_ema)
-        assert ref.keys() == par.keys()
-        for name in ref:
-            torch.testing.assert_close(par[name], ref[name], rtol=1e-5, atol=1e-6,
-                                       msg=f"{'EMA ' if use_ema else ''}{name}")
+    assert_same_final_weights(SPEC, single_unet_run, run, STEPS)
     w, ema = final_weights(SPEC, single_unet_run, STEPS), final_weights(SPEC, single_unet_run, STEPS, True)
     assert max((w[n] - ema[n]).abs().max().item() for n in w) > 1e-5  # EMA compared apart from the weights

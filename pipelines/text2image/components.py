@@ -109,53 +109,43 @@ def read_folder_config(path: str, class_name: str = "UNet2DConditionModel", sub:
         return json.load(f)
 
 
+def build_transformer(cfg: T2IConfig, sizes: dict, what: str, module, make_config, config_from_folder, model_cls):
+    """A diffusers-backed transformer (pixart.py, sd3.py): from its preset and the size fields, or
+    with model.preset=folder exactly as the folder in model.init_from says (refused, naming the
+    setting, where the run cannot drive it or the build differs from the folder's config)."""
+    if cfg.model.preset == FOLDER_PRESET:
+        folder_config = read_folder_config(cfg.model.init_from, module.CLASS_NAME, "transformer")
+        try:
+            mcfg = config_from_folder(folder_config, **sizes)
+        except ValueError as e:
+            raise ConfigError(f"model.init_from={cfg.model.init_from}: its {what} transformer cannot be trained "
+                              f"here: {e}") from None
+    else:
+        mcfg = make_config(cfg.model.preset, **sizes, **model_overrides(cfg))
+    if sizes["img_size"] % mcfg.patch_size:
+        raise ConfigError(f"model input size {sizes['img_size']} is not divisible by the {what} patch size "
+                          f"{mcfg.patch_size}")
+    if mcfg.hidden % mcfg.heads:
+        raise ConfigError(f"model.hidden={mcfg.hidden} is not divisible by model.heads={mcfg.heads}")
+    model = model_cls(mcfg)
+    if cfg.model.preset == FOLDER_PRESET:
+        wrong = module.diffusers_config_mismatch(model.transformer, folder_config)
+        if wrong:  # a setting the mapping above lost: refuse rather than train a different network
+            raise ConfigError(f"model.init_from={cfg.model.init_from}: the {what} transformer built differs from "
+                              f"the folder's: {'; '.join(wrong[:4])}")
+    return model
+
+
 def build_pixart(cfg: T2IConfig, size: int, channels: int) -> pixart.PixArt:
     sizes = dict(img_size=size, in_channels=channels, text_dim=cfg.text.width, text_len=cfg.text.context_length,
                  image_size=cfg.model.image_size)
-    if cfg.model.preset == FOLDER_PRESET:
-        folder_config = read_folder_config(cfg.model.init_from, pixart.CLASS_NAME, "transformer")
-        try:
-            pcfg = pixart.pixart_config_from_diffusers(folder_config, **sizes)
-        except ValueError as e:
-            raise ConfigError(f"model.init_from={cfg.model.init_from}: its PixArt transformer cannot be trained "
-                              f"here: {e}") from None
-    else:
-        pcfg = pixart.pixart_config(cfg.model.preset, **sizes, **model_overrides(cfg))
-    if size % pcfg.patch_size:
-        raise ConfigError(f"model input size {size} is not divisible by the PixArt patch size {pcfg.patch_size}")
-    if pcfg.hidden % pcfg.heads:
-        raise ConfigError(f"model.hidden={pcfg.hidden} is not divisible by model.heads={pcfg.heads}")
-    model = pixart.PixArt(pcfg)
-    if cfg.model.preset == FOLDER_PRESET:
-        wrong = pixart.diffusers_config_mismatch(model.transformer, folder_config)
-        if wrong:  # a setting the mapping above lost: refuse rather than train a different network
-            raise ConfigError(f"model.init_from={cfg.model.init_from}: the PixArt transformer built differs from "
-                              f"the folder's: {'; '.join(wrong[:4])}")
-    return model
+    return build_transformer(cfg, sizes, "PixArt", pixart, pixart.pixart_config, pixart.pixart_config_from_diffusers,
+                             pixart.PixArt)
 
 
 def build_sd3(cfg: T2IConfig, size: int, channels: int) -> sd3.SD3:
     sizes = dict(img_size=size, in_channels=channels, text_dim=cfg.text.width, text_len=cfg.text.context_length)
-    if cfg.model.preset == FOLDER_PRESET:
-        folder_config = read_folder_config(cfg.model.init_from, sd3.CLASS_NAME, "transformer")
-        try:
-            scfg = sd3.sd3_config_from_diffusers(folder_config, **sizes)
-        except ValueError as e:
-            raise ConfigError(f"model.init_from={cfg.model.init_from}: its SD3 transformer cannot be trained "
-                              f"here: {e}") from None
-    else:
-        scfg = sd3.sd3_config(cfg.model.preset, **sizes, **model_overrides(cfg))
-    if size % scfg.patch_size:
-        raise ConfigError(f"model input size {size} is not divisible by the SD3 patch size {scfg.patch_size}")
-    if scfg.hidden % scfg.heads:
-        raise ConfigError(f"model.hidden={scfg.hidden} is not divisible by model.heads={scfg.heads}")
-    model = sd3.SD3(scfg)
-    if cfg.model.preset == FOLDER_PRESET:
-        wrong = sd3.diffusers_config_mismatch(model.transformer, folder_config)
-        if wrong:  # a setting the mapping above lost: refuse rather than train a different network
-            raise ConfigError(f"model.init_from={cfg.model.init_from}: the SD3 transformer built differs from "
-                              f"the folder's: {'; '.join(wrong[:4])}")
-    return model
+    return build_transformer(cfg, sizes, "SD3", sd3, sd3.sd3_config, sd3.sd3_config_from_diffusers, sd3.SD3)
 
 
 def build_unet(cfg: T2IConfig, size: int, channels: int) -> UNet:

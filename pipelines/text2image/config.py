@@ -19,8 +19,9 @@ _FOLDER_MODELS = {"unet": ("UNet", "unet"), "pixart": ("PixArt transformer", "tr
 class ModelConfig(ModelSizeConfig):
     arch: str = doc("dit", "dit: the DiT (preset and the size fields below) | unet: a Stable-Diffusion-style UNet "
                            "(diffusers UNet2DConditionModel), sized by preset alone | pixart: a PixArt-alpha/Sigma "
-                           "transformer (diffusers PixArtTransformer2DModel; preset and the size fields) | sd3: a Stable "
-                           "Diffusion 3-style MMDiT (diffusers SD3Transformer2DModel; preset and the size fields)")
+                           "transformer (diffusers PixArtTransformer2DModel; preset and the size fields) | "
+                           "sd3: a Stable Diffusion 3-style MMDiT (diffusers SD3Transformer2DModel; preset and the "
+                           "size fields)")
     preset: str = doc("tiny", "model size. dit: tiny | S | B | XL; unet: tiny | sd15 | sdxl (SD1.x / SDXL sizes, "
                               "cross-attention width = text.width) | folder (the architecture and weights of the "
                               "diffusers UNet in model.init_from, e.g. a Stable Diffusion 1.x / 2.x folder); "
@@ -30,8 +31,8 @@ class ModelConfig(ModelSizeConfig):
     image_size: int = doc(32, "pixel resolution of training images (square)")
     init_from: str = doc("", "start from the weights of a run / checkpoint dir (its EMA copy), an exported "
                              "diffusers pipeline folder of the same architecture (and its open_clip tower), or "
-                             "with model.preset=folder any diffusers pipeline or UNet / PixArt / SD3 transformer folder "
-                             "(its unet/ or transformer/, or itself)")
+                             "with model.preset=folder any diffusers pipeline or UNet / PixArt / SD3 transformer "
+                             "folder (its unet/ or transformer/, or itself)")
 
 
 @dataclass

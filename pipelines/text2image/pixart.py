@@ -16,14 +16,14 @@ variance half is dropped, as diffusers' PixArt pipelines drop it, so it takes no
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from common.nn.dit import preset_config
-from pipelines.text2image.unet import _plain, denoiser_flops
+from pipelines.text2image.diffusers_transformer import DiffusersTransformer, init_params
+from pipelines.text2image.unet import _plain
 
 # The timestep scale of PixArt (1000 DDPM steps): t in [0, 1] becomes t * 1000.
 TIME_SCALE = 1000.0
@@ -81,8 +81,7 @@ def pixart_config(name: str, **overrides) -> PixArtConfig:
 
 def _init_params() -> dict:
     from diffusers import PixArtTransformer2DModel
-    params = inspect.signature(PixArtTransformer2DModel.__init__).parameters
-    return {k: p for k, p in params.items() if k != "self"}
+    return init_params(PixArtTransformer2DModel)
 
 
 def diffusers_kwargs(cfg: PixArtConfig) -> dict:
@@ -171,33 +170,14 @@ def run_pixart(transformer: nn.Module, x: torch.Tensor, timesteps: torch.Tensor,
     return out[:, :x.shape[1]]
 
 
-class PixArt(nn.Module):
-    """The text2image model interface on a diffusers PixArtTransformer2DModel (held as
-    `transformer`, so its parameters keep diffusers' names under the `transformer.` prefix)."""
+class PixArt(DiffusersTransformer):
+    """The text2image model interface on a diffusers PixArtTransformer2DModel (held as `transformer`)."""
+
+    PARALLEL_LIMITS = PARALLEL_LIMITS
 
     def __init__(self, cfg: PixArtConfig):
-        super().__init__()
         from diffusers import PixArtTransformer2DModel  # lazily: DiT-only runs do not import diffusers
-        self.cfg = cfg
-        self.transformer = PixArtTransformer2DModel(**diffusers_kwargs(cfg))
-        self.reset_parameters()
-        self._flops: dict[tuple, int] = {}
-
-    def reset_parameters(self) -> None:
-        """Zero the output projection, so that the untrained model predicts 0, as the DiT's zero
-        final layer does (a folder's weights replace it)."""
-        nn.init.zeros_(self.transformer.proj_out.weight)
-        nn.init.zeros_(self.transformer.proj_out.bias)
-
-    @property
-    def blocks(self) -> list[nn.Module]:
-        """The transformer blocks in forward order: the units of activation checkpointing and of
-        FSDP sharding."""
-        return list(self.transformer.transformer_blocks)
-
-    def parallel_limits(self) -> dict[str, str]:
-        """{parallel dimension: why the PixArt wrapper cannot use it} (common/parallel/layouts.py)."""
-        return dict(PARALLEL_LIMITS)
+        super().__init__(cfg, PixArtTransformer2DModel(**diffusers_kwargs(cfg)))
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor,
                 context_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -208,9 +188,3 @@ class PixArt(nn.Module):
             raise ValueError(f"PixArt input {tuple(x.shape[-2:])} is not divisible by its patch size {p}")
         return run_pixart(self.transformer, x, t.to(torch.float32) * TIME_SCALE, context, context_mask,
                           image_size=self.cfg.image_size)
-
-    def flops_per_sample(self, height: int | None = None, width: int | None = None,
-                         text_len: int | None = None) -> int:
-        """Forward FLOPs per sample (2 per multiply-add) of matmuls and attention, counted once per
-        shape by torch.utils.flop_counter on a meta-device copy. Training is about 3x this."""
-        return denoiser_flops(self, height, width, text_len)

@@ -19,14 +19,14 @@ run's text.width, and refused naming the width otherwise.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from common.nn.dit import preset_config
-from pipelines.text2image.unet import _plain, denoiser_flops
+from pipelines.text2image.diffusers_transformer import DiffusersTransformer, init_params
+from pipelines.text2image.unet import _plain
 
 # SD3's timestep scale: the flow-matching sigma in [0, 1] times 1000, which is this pipeline's t.
 TIME_SCALE = 1000.0
@@ -74,8 +74,7 @@ def sd3_config(name: str, **overrides) -> SD3Config:
 
 def _init_params() -> dict:
     from diffusers import SD3Transformer2DModel
-    params = inspect.signature(SD3Transformer2DModel.__init__).parameters
-    return {k: p for k, p in params.items() if k != "self"}
+    return init_params(SD3Transformer2DModel)
 
 
 def diffusers_kwargs(cfg: SD3Config) -> dict:
@@ -83,8 +82,9 @@ def diffusers_kwargs(cfg: SD3Config) -> dict:
     if cfg.hidden % cfg.heads:
         raise ValueError(f"SD3 hidden={cfg.hidden} is not divisible by heads={cfg.heads}")
     kw = dict(sample_size=cfg.img_size, patch_size=cfg.patch_size, in_channels=cfg.in_channels, num_layers=cfg.depth,
-              attention_head_dim=cfg.hidden // cfg.heads, num_attention_heads=cfg.heads, joint_attention_dim=cfg.text_dim,
-              caption_projection_dim=cfg.hidden, pooled_projection_dim=cfg.text_dim, out_channels=cfg.in_channels,
+              attention_head_dim=cfg.hidden // cfg.heads, num_attention_heads=cfg.heads,
+              joint_attention_dim=cfg.text_dim, caption_projection_dim=cfg.hidden, pooled_projection_dim=cfg.text_dim,
+              out_channels=cfg.in_channels,
               # a table exactly the input's patch grid unless a folder or preset says otherwise
               pos_embed_max_size=cfg.img_size // cfg.patch_size, qk_norm=cfg.qk_norm)
     return {**kw, **cfg.extra}
@@ -151,33 +151,14 @@ def pooled_text(context: torch.Tensor, context_mask: torch.Tensor | None) -> tor
     return (context * m).sum(1) / m.sum(1).clamp_min(1.0)
 
 
-class SD3(nn.Module):
-    """The text2image model interface on a diffusers SD3Transformer2DModel (held as `transformer`,
-    so its parameters keep diffusers' names under the `transformer.` prefix)."""
+class SD3(DiffusersTransformer):
+    """The text2image model interface on a diffusers SD3Transformer2DModel (held as `transformer`)."""
+
+    PARALLEL_LIMITS = PARALLEL_LIMITS
 
     def __init__(self, cfg: SD3Config):
-        super().__init__()
         from diffusers import SD3Transformer2DModel  # lazily: DiT-only runs do not import diffusers
-        self.cfg = cfg
-        self.transformer = SD3Transformer2DModel(**diffusers_kwargs(cfg))
-        self.reset_parameters()
-        self._flops: dict[tuple, int] = {}
-
-    def reset_parameters(self) -> None:
-        """Zero the output projection, so that the untrained model predicts 0, as the DiT's zero
-        final layer does (a folder's weights replace it)."""
-        nn.init.zeros_(self.transformer.proj_out.weight)
-        nn.init.zeros_(self.transformer.proj_out.bias)
-
-    @property
-    def blocks(self) -> list[nn.Module]:
-        """The joint transformer blocks in forward order: the units of activation checkpointing and
-        of FSDP sharding."""
-        return list(self.transformer.transformer_blocks)
-
-    def parallel_limits(self) -> dict[str, str]:
-        """{parallel dimension: why the SD3 wrapper cannot use it} (common/parallel/layouts.py)."""
-        return dict(PARALLEL_LIMITS)
+        super().__init__(cfg, SD3Transformer2DModel(**diffusers_kwargs(cfg)))
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor,
                 context_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -190,9 +171,3 @@ class SD3(nn.Module):
         return self.transformer(hidden_states=x, encoder_hidden_states=context,
                                 pooled_projections=pooled_text(context, context_mask),
                                 timestep=t.to(torch.float32) * TIME_SCALE, return_dict=False)[0]
-
-    def flops_per_sample(self, height: int | None = None, width: int | None = None,
-                         text_len: int | None = None) -> int:
-        """Forward FLOPs per sample (2 per multiply-add) of matmuls and attention, counted once per
-        shape by torch.utils.flop_counter on a meta-device copy. Training is about 3x this."""
-        return denoiser_flops(self, height, width, text_len)
