@@ -169,7 +169,8 @@ class TextConfig:
     hf_path: str = doc("", "local Hugging Face text encoder folder (a CLIPTextModel/CLIPModel or T5EncoderModel "
                            "with its tokenizer, as save_pretrained writes them) used frozen instead of the open_clip "
                            "tower; text.width must equal its hidden size; layers, heads, weights and layer_scale are "
-                           "then unused")
+                           "then unused. A Stable Diffusion 3 pipeline folder gives SD3's CLIP-L + CLIP-G + T5 stack "
+                           "(text.width = T5's, context_length = T5's tokens) for model.arch=sd3")
     hf_padding_mask: bool = doc(True, "text.hf_path: run the encoder with the padding mask. False: on the padded ids "
                                       "unmasked, as Stable Diffusion 1.x / 2.x computed their CLIP features (their "
                                       "UNets learned the padding positions' features too)")

@@ -97,6 +97,22 @@ def test_sd15_finetune_config_is_sd_fine_tuning():
     assert abs(objective.betas[0].item() - 0.00085) < 1e-12 and abs(objective.betas[-1].item() - 0.012) < 1e-12
 
 
+def test_sd3_finetune_config_is_sd3_fine_tuning():
+    """The shipped SD3 fine-tuning config parses and asks for what SD3 was trained with: its three
+    text encoders from the pipeline folder (T5-XXL's width, 256 T5 tokens), rectified flow with
+    logit-normal timesteps shifted by 3 at any token count (tests/test_t2i_sd3.py builds the rest)."""
+    import os
+
+    from common.diffusion import RectifiedFlow
+    from common.diffusion.text_conditioned import objective_from_config
+    from tests.conftest import ROOT
+    cfg = build_config(T2IConfig, os.path.join(ROOT, "pipelines/text2image/configs/sd3_finetune.yaml"), [])
+    assert (cfg.model.arch, cfg.model.preset, cfg.text.width, cfg.text.context_length) == ("sd3", "folder", 4096, 256)
+    assert cfg.text.hf_path == cfg.model.init_from  # the pipeline folder: its three encoders
+    objective = objective_from_config(cfg.diffusion)
+    assert isinstance(objective, RectifiedFlow) and objective.shift_for(4096) == objective.shift_for(256) == 3.0
+
+
 def test_pixart_finetune_config_is_pixart_fine_tuning():
     """The shipped PixArt fine-tuning config parses and asks for what PixArt-alpha was trained with:
     T5-XXL features of 120 tokens with the padding mask, eps on linear betas 1e-4..0.02 (its

@@ -35,7 +35,7 @@ def _encode_as_ranks(comp, images, positions, world: int) -> torch.Tensor:
 
 def test_t2i_vae_latents_do_not_depend_on_the_layout():
     vae = _tiny_vae()
-    comp = SimpleNamespace(vae=vae, latent_scale=0.5, cfg=SimpleNamespace(run=SimpleNamespace(seed=7)))
+    comp = SimpleNamespace(vae=vae, to_model_space=lambda x: x * 0.5, cfg=SimpleNamespace(run=SimpleNamespace(seed=7)))
     gen = torch.Generator().manual_seed(1)
     images = torch.rand(4, 3, 16, 16, generator=gen) * 2 - 1
     positions = torch.tensor([40, 41, 42, 43])

@@ -35,7 +35,7 @@ def ours(comp):
     sample.py draws for PROMPTS with --seed 7 (components.generate), and the same before rounding."""
     from common.diffusion import text_conditioned as tc
     from pipelines.text2image import components
-    decode = (lambda x: comp.vae.decode(x / comp.latent_scale).sample) if comp.vae is not None else None
+    decode = (lambda x: comp.vae.decode(comp.from_model_space(x)).sample) if comp.vae is not None else None
     floats = tc.generate(comp.model, comp.text_encoder, comp.objective, PROMPTS, SEEDS,
                          shape=(comp.latent_channels, comp.latent_size, comp.latent_size), num_tokens=comp.num_tokens,
                          steps=STEPS, guidance=CFG, device=torch.device("cpu"), batch_size=32, decode=decode)[0]
@@ -147,10 +147,11 @@ def test_init_from_export_and_checkpoint(flow_run, tmp_path):
 
 
 # ---------------------------------------------------------------------- Hugging Face text encoders
-def make_clip(folder: str, width: int = 32, positions: int = 16) -> None:
-    """A tiny random CLIPTextModel and a CLIP BPE tokenizer over single characters (every
-    lower-case word splits into letters) plus two merges."""
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+def make_clip(folder: str, width: int = 32, positions: int = 16, projection_dim: int | None = None) -> None:
+    """A tiny random CLIPTextModel (with projection_dim: a CLIPTextModelWithProjection, and a
+    tokenizer whose model_max_length is `positions`) and a CLIP BPE tokenizer over single characters
+    (every lower-case word splits into letters) plus two merges."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
     vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
     for c in "abcdefghijklmnopqrstuvwxyz":
         vocab[c], vocab[c + "</w>"] = len(vocab), len(vocab) + 1
@@ -158,12 +159,14 @@ def make_clip(folder: str, width: int = 32, positions: int = 16) -> None:
     os.makedirs(folder, exist_ok=True)
     json.dump(vocab, open(os.path.join(folder, "vocab.json"), "w"))
     open(os.path.join(folder, "merges.txt"), "w").write("#version: 0.2\nr e\nre d</w>\n")
+    extra = {} if projection_dim is None else {"model_max_length": positions}
     tok = CLIPTokenizer(os.path.join(folder, "vocab.json"), os.path.join(folder, "merges.txt"),
-                        pad_token="<|endoftext|>")
+                        pad_token="<|endoftext|>", **extra)
     torch.manual_seed(0)
-    model = CLIPTextModel(CLIPTextConfig(vocab_size=len(vocab), hidden_size=width, intermediate_size=2 * width,
-                                         num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=positions,
-                                         bos_token_id=0, eos_token_id=1, pad_token_id=1))
+    config = CLIPTextConfig(vocab_size=len(vocab), hidden_size=width, intermediate_size=2 * width, num_hidden_layers=1,
+                            num_attention_heads=2, max_position_embeddings=positions, bos_token_id=0, eos_token_id=1,
+                            pad_token_id=1, projection_dim=projection_dim or width)
+    model = CLIPTextModel(config) if projection_dim is None else CLIPTextModelWithProjection(config)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
 

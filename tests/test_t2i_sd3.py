@@ -1,10 +1,12 @@
 """text2image with model.arch=sd3 (pipelines/text2image/sd3.py): diffusers' SD3 transformer (MMDiT)
 behind the DiT's interface. Its forward equals diffusers' own call with the run's caption features
-as the joint stream and their mean over real tokens as the pooled vector; the presets are SD3's
-settings; model.preset=folder builds an SD3-layout folder's exact transformer (SD3.5's dual
-attention and QK norm included) and model.init_from loads its weights; folders the pipeline cannot
-feed (SD3's own 2048-wide pooled CLIP features) are refused with the width named; a fine-tuned run
-samples through sample.py as the library draws; data parallelism equals one process."""
+as the joint stream and their mean over real tokens as the pooled vector, or, with SD3's own text
+stack (text.hf_path = an SD3 pipeline folder: CLIP-L, CLIP-G, T5), with exactly the conditioning
+diffusers' StableDiffusion3Pipeline.encode_prompt computes; the presets are SD3's settings;
+model.preset=folder builds an SD3-layout folder's exact transformer (SD3.5's dual attention and
+QK norm included) and model.init_from loads its weights; folders the run's tower cannot feed are
+refused with the widths named; fine-tuned runs sample through sample.py as the library draws;
+data parallelism equals one process."""
 from __future__ import annotations
 
 import json
@@ -175,8 +177,13 @@ def test_folder_sd3_refusals(sd3_folder, tmp_path):
     from pipelines.text2image.export import build_pipeline
     from pipelines.text2image.sd3 import sd3_config_from_diffusers
     sizes = dict(img_size=128, in_channels=16, text_dim=4096, text_len=256)
-    with pytest.raises(ValueError, match=r"pooled_projection_dim is 2048, .*\(text.width=4096\).*three-encoder"):
+    with pytest.raises(ValueError, match=r"pooled_projection_dim is 2048, .*\(text.width=4096\).*three text encoders"):
         sd3_config_from_diffusers(SD3_MEDIUM, **sizes)
+    # With SD3's text stack (its CLIP-L + CLIP-G pooled width), SD3 Medium's own settings map.
+    medium = sd3_config_from_diffusers(SD3_MEDIUM, **sizes, pooled_dim=2048)
+    assert medium.pooled_dim == 2048 and medium.extra == {"pos_embed_max_size": 192}
+    with pytest.raises(ValueError, match="pooled_projection_dim is 2048, while the CLIP encoders .* give .* 1536"):
+        sd3_config_from_diffusers(SD3_MEDIUM, **sizes, pooled_dim=1536)
     fits = dict(SD3_MEDIUM, pooled_projection_dim=4096)
     assert sd3_config_from_diffusers(fits, **sizes).extra == {"pos_embed_max_size": 192}
     for change, named in [({"joint_attention_dim": 768}, "caption width .* is 768, while text.width=4096"),
@@ -212,19 +219,147 @@ def test_folder_sd3_refusals(sd3_folder, tmp_path):
         build_pipeline(preset)
 
 
+# --------------------------------------------------------------------------- SD3's own text stack
+CONTEXT = 8  # the stack's T5 tokens (SD3: 256); its CLIP tokenizers pad to 16 (SD3: 77)
+# A tiny SD3 pipeline folder's transformer: T5 width 32 as the joint width, pooled CLIP-L + CLIP-G
+# projections 8 + 8 (SD3: 4096 and 768 + 1280).
+STACK_KWARGS = dict(sample_size=32, patch_size=4, in_channels=3, out_channels=3, num_layers=2, attention_head_dim=8,
+                    num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=16, pooled_projection_dim=16,
+                    pos_embed_max_size=8)
+
+
+def make_sd3_stack_folder(folder: str) -> None:
+    """An SD3 pipeline folder with its three text encoders: CLIP-L-like (width 8) and CLIP-G-like
+    (width 16) CLIPTextModelWithProjection, a T5 encoder, their tokenizers, and a transformer."""
+    from diffusers import SD3Transformer2DModel
+    from transformers import AutoTokenizer
+
+    from tests.test_t2i_diffusers import make_clip, make_t5
+    for sub, width in [("", 8), ("_2", 16)]:
+        make_clip(os.path.join(folder, f"text_encoder{sub}"), width=width, projection_dim=8)
+        AutoTokenizer.from_pretrained(os.path.join(folder, f"text_encoder{sub}")).save_pretrained(
+            os.path.join(folder, f"tokenizer{sub}"))
+    make_t5(os.path.join(folder, "text_encoder_3"), width=32)
+    AutoTokenizer.from_pretrained(os.path.join(folder, "text_encoder_3")).save_pretrained(
+        os.path.join(folder, "tokenizer_3"))
+    torch.manual_seed(6)
+    SD3Transformer2DModel(**STACK_KWARGS).save_pretrained(os.path.join(folder, "transformer"))
+    json.dump({"_class_name": "StableDiffusion3Pipeline", "transformer": ["diffusers", "SD3Transformer2DModel"],
+               **{f"text_encoder{s}": ["transformers", "CLIPTextModelWithProjection"] for s in ("", "_2")},
+               "text_encoder_3": ["transformers", "T5EncoderModel"]},
+              open(os.path.join(folder, "model_index.json"), "w"))
+
+
+@pytest.fixture(scope="module")
+def sd3_stack_folder(tmp_path_factory) -> str:
+    folder = str(tmp_path_factory.mktemp("sd3stack") / "sd3")
+    make_sd3_stack_folder(folder)
+    return folder
+
+
+def stack_overrides(folder: str) -> list[str]:
+    return [*folder_overrides(folder), f"text.hf_path={folder}", "text.width=32", f"text.context_length={CONTEXT}"]
+
+
+def diffusers_sd3_conditioning(folder: str, prompts: list[str]):
+    """(prompt_embeds, pooled_prompt_embeds) of diffusers' own StableDiffusion3Pipeline.encode_prompt
+    on the folder's three encoders."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import AutoTokenizer, CLIPTextModelWithProjection, T5EncoderModel
+    parts = {f"text_encoder{s}": CLIPTextModelWithProjection.from_pretrained(os.path.join(folder, f"text_encoder{s}"))
+             for s in ("", "_2")}
+    parts["text_encoder_3"] = T5EncoderModel.from_pretrained(os.path.join(folder, "text_encoder_3"))
+    for s in ("", "_2", "_3"):
+        parts[f"tokenizer{s}"] = AutoTokenizer.from_pretrained(os.path.join(folder, f"tokenizer{s}"))
+    transformer = SD3Transformer2DModel.from_pretrained(os.path.join(folder, "transformer"))
+    pipe = StableDiffusion3Pipeline(transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(), vae=None,
+                                    **parts)
+    embeds, _, pooled, _ = pipe.encode_prompt(prompts, None, None, device="cpu", do_classifier_free_guidance=False,
+                                              max_sequence_length=CONTEXT)
+    return embeds, pooled
+
+
+def test_sd3_text_stack_encodes_as_diffusers_pipeline(sd3_stack_folder):
+    """text.hf_path = an SD3 pipeline folder builds SD3's stack, whose output is diffusers' own
+    encode_prompt: row 0 the pooled CLIP-L + CLIP-G vector (zeros after its 16 features), then the
+    CLIP tokens (penultimate layers, zero-padded to T5's width) and the T5 tokens; nothing masked."""
+    from common.nn.text_encoder import SD3TextEncoders
+    from pipelines.text2image import components
+    comp = components.build(t2i_cfg(*stack_overrides(sd3_stack_folder)))
+    enc = comp.text_encoder
+    assert isinstance(enc, SD3TextEncoders) and enc.pooled_width == 16 and enc.num_positions == 1 + 16 + CONTEXT
+    tokens, mask = enc(PROMPTS)
+    embeds, pooled = diffusers_sd3_conditioning(sd3_stack_folder, PROMPTS)
+    assert tokens.shape == (2, 1 + 16 + CONTEXT, 32) and mask.all()
+    # equal to fp32 rounding (3.6e-7 apart at most when measured)
+    torch.testing.assert_close(tokens[:, 1:], embeds, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(tokens[:, 0, :16], pooled, rtol=1e-6, atol=1e-6)
+    assert not tokens[:, 0, 16:].any() and pooled.std() > 1e-3
+    assert (tokens[0, 1:] - tokens[1, 1:]).abs().max() > 1e-3  # the captions differ
+    # The folder's transformer, fed by the stack, is diffusers' call with SD3's own conditioning.
+    from diffusers import SD3Transformer2DModel
+
+    from pipelines.text2image.diffusers_pipeline import init_from
+    assert comp.model.cfg.pooled_dim == 16
+    init_from(comp, sd3_stack_folder)
+    theirs = SD3Transformer2DModel.from_pretrained(os.path.join(sd3_stack_folder, "transformer")).eval()
+    x, t, _, _ = inputs()
+    with torch.no_grad():
+        got = comp.model.eval()(x, t, tokens, mask)
+        full = diffusers_call(theirs, x, t, embeds, pooled)
+    torch.testing.assert_close(got, full, rtol=1e-6, atol=1e-6)
+    assert got.std() > 1e-3
+
+
+def test_sd3_folder_pooled_width_needs_its_text_stack(sd3_stack_folder):
+    """The same folder with a single tower (no SD3 stack): its 16-wide pooled projection cannot take
+    the tower's mean, and the refusal says which text.hf_path gives SD3's pooled features."""
+    from common.config import ConfigError
+    from pipelines.text2image import components
+    with pytest.raises(ConfigError, match="pooled_projection_dim is 16, while the pooled vector of this text tower is "
+                                          "the mean of its features .text.width=32.; .* set text.hf_path to the SD3"):
+        components.build(t2i_cfg(*folder_overrides(sd3_stack_folder), "text.width=32"))
+
+
+def test_vae_shift_factor_as_sd3_pipeline(tmp_path):
+    """A VAE with a shift_factor (SD3's) gives the model (latent - shift) * scale, precomputed or
+    encoded on the fly, and sampling decodes x / scale + shift, as diffusers' SD3 pipeline does."""
+    from pipelines.text2image import components
+    from tests.test_t2i_sd_folder import make_vae
+    vae = make_vae()
+    vae.register_to_config(shift_factor=0.25, scaling_factor=1.5)
+    vae.save_pretrained(str(tmp_path / "vae"))
+    comp = components.build(t2i_cfg(f"vae.path={tmp_path}/vae", "model.patch_size=2"))
+    lat = torch.randn(2, 4, 16, 16)
+    got = components.encode_images(comp, {"latent": lat}, "cpu")
+    torch.testing.assert_close(got, (lat - 0.25) * 1.5, rtol=0, atol=0)
+    torch.testing.assert_close(comp.from_model_space(got), lat, rtol=1e-6, atol=1e-6)
+    from common.diffusion import noise as dnoise
+    images, positions = torch.rand(2, 3, 32, 32) * 2 - 1, torch.arange(2)
+    with torch.no_grad():
+        posterior = comp.vae.encode(images).latent_dist
+    eps = dnoise.per_sample_randn(dnoise.sample_seeds(comp.cfg.run.seed, positions), posterior.mean.shape[1:],
+                                  components.SALT_LATENT)
+    drawn = components.encode_images(comp, {"image": images, "__position__": positions}, "cpu")
+    torch.testing.assert_close(drawn, (posterior.mean + posterior.std * eps - 0.25) * 1.5, rtol=1e-6, atol=1e-6)
+
+
 # --------------------------------------------------------------------------- fine-tune and sample
-def test_fine_tune_folder_sd3_and_sample(sd3_folder, synth_data, tmp_path):
-    """Three flow-matching steps from the folder's weights; the run's weights moved off them, and
-    sample.py draws from the run exactly what the library's generate draws."""
+@pytest.mark.parametrize("text", ["tower", "sd3_stack"])
+def test_fine_tune_folder_sd3_and_sample(text, request, synth_data, tmp_path):
+    """Three flow-matching steps from the folder's weights (with the run's tower, or with SD3's own
+    text stack from its folder); the run's weights moved off them, and sample.py draws from the run
+    exactly what the library's generate draws."""
     from diffusers import SD3Transformer2DModel
 
     from common.run import load_run
     from pipelines.text2image.spec import SPEC
     run, out = str(tmp_path / "run"), str(tmp_path / "samples")
+    sd3_folder = request.getfixturevalue("sd3_folder" if text == "tower" else "sd3_stack_folder")
+    overrides = folder_overrides(sd3_folder) if text == "tower" else stack_overrides(sd3_folder)
     run_checked(train_cmd() + [
         "--config", TINY_YAML, f"run.dir={run}", f"data.train_shards={synth_data}/train",
-        f"data.eval_shards={synth_data}/heldout", *folder_overrides(sd3_folder), "train.progress=false",
-        "data.num_workers=0", *FAST])
+        f"data.eval_shards={synth_data}/heldout", *overrides, "train.progress=false", "data.num_workers=0", *FAST])
     comp, _ = load_run(SPEC, run)
     start = SD3Transformer2DModel.from_pretrained(os.path.join(sd3_folder, "transformer"))
     moved = max((comp.model.transformer.state_dict()[k] - v).abs().max().item() for k, v in start.state_dict().items())

@@ -1,8 +1,10 @@
 """The frozen text tower every text-conditioned pipeline shares (captions -> per-token features for
 cross-attention): open_clip's text transformer seeded from the run seed (or loaded from a state
-dict), or a Hugging Face CLIP / T5 text encoder from a local folder; and the way a run builds it.
+dict), or a Hugging Face CLIP / T5 text encoder from a local folder, or Stable Diffusion 3's three
+encoders from its pipeline folder; and the way a run builds it.
 
-Both give forward(texts) -> (tokens (B, L, width), mask (B, L) bool), .width and tokenize(texts)."""
+All give forward(texts) -> (tokens (B, L, width), mask (B, L) bool) and .width; the single towers
+also tokenize(texts)."""
 from __future__ import annotations
 
 import sys
@@ -193,14 +195,105 @@ class HFTextEncoder(nn.Module):
         return hf_text_features(self.model, self.tokenizer, texts, self.context_length, self.padding_mask)
 
 
-def build_text_encoder(text_cfg, run_seed: int) -> TextEncoder | HFTextEncoder:
+
+def is_sd3_text_folder(path: str) -> bool:
+    """Whether `path` is a diffusers pipeline folder with Stable Diffusion 3's three text encoders
+    (model_index.json naming text_encoder, text_encoder_2 and text_encoder_3)."""
+    import json
+    import os
+    index = os.path.join(path, "model_index.json")
+    if not os.path.isfile(index):
+        return False
+    with open(index) as f:
+        held = json.load(f)
+    return all(k in held for k in ("text_encoder", "text_encoder_2", "text_encoder_3"))
+
+
+class SD3TextEncoders(nn.Module):
+    """Stable Diffusion 3's frozen text stack from its local pipeline folder, encoding a caption as
+    diffusers' StableDiffusion3Pipeline does: CLIP-L (text_encoder/) and CLIP-G (text_encoder_2/),
+    each on the caption padded to its tokenizer's length (77), give their penultimate hidden
+    states, concatenated along features and zero-padded to T5's width, and their projected pooled
+    outputs, concatenated (CLIP-L 768 + CLIP-G 1280 = 2048); T5-XXL (text_encoder_3/) gives its
+    last hidden state on the caption padded to text.context_length (SD3: 256). Behind TextEncoder's
+    interface, forward(texts) -> (tokens (B, 1 + 77 + context_length, width), mask all True: SD3
+    attends to every position): row 0 holds the pooled vector (its first `pooled_width` features,
+    zeros after), then the CLIP tokens, then the T5 tokens. Weights are the folder's (saved in a
+    run's checkpoints like any frozen tower's)."""
+
+    padding_mask = False  # every position is attended, padding included, as SD3 was trained
+
+    def __init__(self, path: str, context_length: int):
+        super().__init__()
+        import os
+
+        import transformers
+        from common.config import ConfigError
+        from common.hf_folders import weights_variant
+
+        def load(sub: str, cls_name: str):
+            folder = os.path.join(path, sub)
+            if not os.path.isfile(os.path.join(folder, "config.json")):
+                raise ConfigError(f"text.hf_path={path!r}: no {sub}/config.json (SD3's text stack needs "
+                                  "text_encoder/, text_encoder_2/ and text_encoder_3/ with their tokenizers)")
+            model = getattr(transformers, cls_name).from_pretrained(folder, local_files_only=True, dtype=torch.float32,
+                                                                    variant=weights_variant(folder))
+            tok_dir = os.path.join(path, sub.replace("text_encoder", "tokenizer"))
+            return model, transformers.AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
+
+        (self.clip_l, self.tok_l), (self.clip_g, self.tok_g) = (
+            load("text_encoder", "CLIPTextModelWithProjection"), load("text_encoder_2", "CLIPTextModelWithProjection"))
+        self.t5, self.tok_t5 = load("text_encoder_3", "T5EncoderModel")
+        self.clip_length = self.tok_l.model_max_length  # as the pipeline: CLIP-L's tokenizer sets both
+        self.pooled_width = self.clip_l.config.projection_dim + self.clip_g.config.projection_dim
+        clip_width = self.clip_l.config.hidden_size + self.clip_g.config.hidden_size
+        if max(clip_width, self.pooled_width) > self.width:
+            raise ConfigError(f"text.hf_path={path!r}: CLIP features of width {clip_width} (pooled "
+                              f"{self.pooled_width}) do not fit T5's width {self.width}")
+        self.path, self.context_length = path, context_length
+        self.requires_grad_(False)
+        self.eval()
+
+    @property
+    def width(self) -> int:
+        return self.t5.config.d_model
+
+    @property
+    def num_positions(self) -> int:
+        return 1 + self.clip_length + self.context_length
+
+    def train(self, mode: bool = True):
+        return super().train(False)  # frozen: never leave eval mode (no dropout)
+
+    @torch.no_grad()
+    def forward(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        device = self.t5.device
+        pooled, clip_tokens = [], []
+        for model, tok in ((self.clip_l, self.tok_l), (self.clip_g, self.tok_g)):
+            ids = tok(list(texts), padding="max_length", max_length=self.clip_length, truncation=True,
+                      return_tensors="pt").input_ids.to(device)
+            out = model(ids, output_hidden_states=True)
+            pooled.append(out.text_embeds)
+            clip_tokens.append(out.hidden_states[-2])
+        clip = torch.cat(clip_tokens, -1)
+        ids = self.tok_t5(list(texts), padding="max_length", max_length=self.context_length, truncation=True,
+                          add_special_tokens=True, return_tensors="pt").input_ids.to(device)
+        t5 = self.t5(ids).last_hidden_state
+        pad = lambda x: nn.functional.pad(x, (0, self.width - x.shape[-1]))  # noqa: E731
+        tokens = torch.cat([pad(torch.cat(pooled, -1)).unsqueeze(1), pad(clip), t5], 1)
+        return tokens, torch.ones(tokens.shape[:2], dtype=torch.bool, device=device)
+
+def build_text_encoder(text_cfg, run_seed: int) -> TextEncoder | HFTextEncoder | SD3TextEncoders:
     """The tower a run's `text` config section describes (common.config.TextConfig): the Hugging
-    Face encoder of text.hf_path, else open_clip's seeded from the run seed apart from the global
-    RNG (which it leaves untouched)."""
+    Face encoder of text.hf_path (SD3's three encoders when it is an SD3 pipeline folder), else
+    open_clip's seeded from the run seed apart from the global RNG (which it leaves untouched)."""
     from common.diffusion.noise import mix_seed
     if getattr(text_cfg, "hf_path", ""):
         from common.config import ConfigError
-        enc = HFTextEncoder(text_cfg.hf_path, text_cfg.context_length, getattr(text_cfg, "hf_padding_mask", True))
+        if is_sd3_text_folder(text_cfg.hf_path):
+            enc = SD3TextEncoders(text_cfg.hf_path, text_cfg.context_length)
+        else:
+            enc = HFTextEncoder(text_cfg.hf_path, text_cfg.context_length, getattr(text_cfg, "hf_padding_mask", True))
         if enc.width != text_cfg.width:
             raise ConfigError(f"text.width={text_cfg.width} but the text encoder at {text_cfg.hf_path} has width "
                               f"{enc.width}; set text.width={enc.width}")

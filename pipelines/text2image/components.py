@@ -39,6 +39,19 @@ class Components(tc.TextDiffusionComponents):
         return self.cfg.vae.scaling_factor or self.vae.config.scaling_factor
 
     @property
+    def latent_shift(self) -> float:
+        """The VAE's shift_factor (SD3's VAE: 0.0609; none in SD 1.x / PixArt's)."""
+        return getattr(self.vae.config, "shift_factor", None) or 0.0
+
+    def to_model_space(self, latents: torch.Tensor) -> torch.Tensor:
+        """VAE latents -> the model's: (latents - shift) * scale, as diffusers' SD3 pipeline has them."""
+        return (latents - self.latent_shift) * self.latent_scale
+
+    def from_model_space(self, x: torch.Tensor) -> torch.Tensor:
+        """The model's latents -> the VAE's (what its decoder takes)."""
+        return x / self.latent_scale + self.latent_shift
+
+    @property
     def num_tokens(self) -> int:
         return (self.latent_size // self.model.cfg.patch_size) ** 2
 
@@ -143,8 +156,12 @@ def build_pixart(cfg: T2IConfig, size: int, channels: int) -> pixart.PixArt:
                              pixart.PixArt)
 
 
-def build_sd3(cfg: T2IConfig, size: int, channels: int) -> sd3.SD3:
-    sizes = dict(img_size=size, in_channels=channels, text_dim=cfg.text.width, text_len=cfg.text.context_length)
+def build_sd3(cfg: T2IConfig, size: int, channels: int, text) -> sd3.SD3:
+    # SD3's own text stack (common.nn.text_encoder.SD3TextEncoders) hands over its pooled vector in
+    # the caption's first row; any other tower's pooled vector is the mean of its tokens.
+    sizes = dict(img_size=size, in_channels=channels, text_dim=cfg.text.width,
+                 pooled_dim=getattr(text, "pooled_width", 0),
+                 text_len=getattr(text, "num_positions", cfg.text.context_length))
     return build_transformer(cfg, sizes, "SD3", sd3, sd3.sd3_config, sd3.sd3_config_from_diffusers, sd3.SD3)
 
 
@@ -177,8 +194,11 @@ def build(cfg: T2IConfig) -> Components:
     text = build_text_encoder(cfg.text, cfg.run.seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(dnoise.mix_seed(cfg.run.seed, 102))
-        build_model = {"unet": build_unet, "pixart": build_pixart, "sd3": build_sd3}.get(cfg.model.arch, build_dit)
-        model = build_model(cfg, size, channels)
+        if cfg.model.arch == "sd3":
+            model = build_sd3(cfg, size, channels, text)
+        else:
+            build_model = {"unet": build_unet, "pixart": build_pixart}.get(cfg.model.arch, build_dit)
+            model = build_model(cfg, size, channels)
     return Components(cfg, model, text, tc.objective_from_config(cfg.diffusion), vae, channels, size)
 
 
@@ -200,12 +220,12 @@ def signature(cfg: T2IConfig, comp: Components) -> dict:
 @torch.no_grad()
 def encode_images(comp: Components, batch: dict, device) -> torch.Tensor:
     """Model-space inputs: precomputed latents, VAE latents on the fly, or pixels in [-1, 1].
-    Precomputed `latent.npy` holds unscaled VAE latents (as the VAE outputs them); the scale is
-    applied here so that changing vae.scaling_factor needs no new shards."""
+    Precomputed `latent.npy` holds unscaled VAE latents (as the VAE outputs them); the VAE's shift
+    and scale are applied here so that changing vae.scaling_factor needs no new shards."""
     if comp.vae is None:
         return batch["image"].to(device)
     if "latent" in batch:
-        return batch["latent"].to(device) * comp.latent_scale
+        return comp.to_model_space(batch["latent"].to(device))
     posterior = comp.vae.encode(batch["image"].to(device)).latent_dist
     # The posterior sample's noise comes from each sample's own seed (as the diffusion noise does),
     # not from the global RNG, which is seeded per rank: the same sample gets the same latent under
@@ -213,7 +233,7 @@ def encode_images(comp: Components, batch: dict, device) -> torch.Tensor:
     seeds = dnoise.sample_seeds(comp.cfg.run.seed, batch["__position__"])
     eps = dnoise.per_sample_randn(seeds, posterior.mean.shape[1:], SALT_LATENT, device=posterior.mean.device,
                                   dtype=posterior.mean.dtype)
-    return (posterior.mean + posterior.std * eps) * comp.latent_scale
+    return comp.to_model_space(posterior.mean + posterior.std * eps)
 
 
 def make_step_fns(comp: Components, device):
@@ -228,7 +248,7 @@ def make_step_fns(comp: Components, device):
 def generate(comp: Components, model: DiT, prompts: list[str], seeds: list[int], *, steps: int, guidance: float,
              device=torch.device("cpu"), batch_size: int = 32) -> torch.Tensor:
     """uint8 images (N, H, W, 3). Image i depends only on (prompts[i], seeds[i])."""
-    decode = (lambda x: comp.vae.decode(x / comp.latent_scale).sample) if comp.vae is not None else None
+    decode = (lambda x: comp.vae.decode(comp.from_model_space(x)).sample) if comp.vae is not None else None
     out = tc.generate(model, comp.text_encoder, comp.objective, prompts, seeds,
                       shape=(comp.latent_channels, comp.latent_size, comp.latent_size), num_tokens=comp.num_tokens,
                       steps=steps, guidance=guidance, device=device, batch_size=batch_size, decode=decode)

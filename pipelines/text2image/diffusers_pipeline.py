@@ -164,7 +164,8 @@ class TextToImagePipeline(ShimmedPipeline):
             image = x
         else:
             if self.vae is not None:
-                x = self.vae.decode(x.to(self.vae.dtype) / self.vae.config.scaling_factor).sample
+                shift = getattr(self.vae.config, "shift_factor", None) or 0.0  # SD3-style VAEs
+                x = self.vae.decode(x.to(self.vae.dtype) / self.vae.config.scaling_factor + shift).sample
             image = self.image_processor.postprocess(x.float(), output_type=output_type)
         self.maybe_free_model_hooks()
         if not return_dict:

@@ -9,12 +9,13 @@ SD3 forward: x -> patch embedding + 2-D sin-cos positions (cropped from a table 
              own adaLN-modulated norms, projections and MLP (the last block updates the image
              stream only) -> adaLN final norm -> linear -> unpatchify.
              t in [0, 1] -> t * 1000 -> sinusoid -> MLP, plus an MLP of a pooled caption vector.
-Conditioning comes from the run's own text tower: its token features are the caption stream (every
-position, padding included, as SD3 attends to its padded prompts) and the pooled vector is their
-mean over the caption's real tokens. Published SD3 / SD3.5 checkpoints were trained on three
-encoders (pooled CLIP-L + CLIP-G features, 2048 wide, beside CLIP and T5-XXL tokens, 4096), a text
-stack this pipeline does not build: a folder is read when its caption and pooled widths are the
-run's text.width, and refused naming the width otherwise.
+Conditioning comes from the run's text tower. SD3's own stack (text.hf_path = an SD3 pipeline
+folder: common.nn.text_encoder.SD3TextEncoders) gives what SD3 was trained on: CLIP-L + CLIP-G +
+T5-XXL tokens as the caption stream and the pooled CLIP-L + CLIP-G vector (in the first row of its
+output; pooled_dim > 0). Any other tower's token features are the caption stream (every position,
+padding included, as SD3 attends to its padded prompts) and their mean over the caption's real
+tokens is the pooled vector (pooled_dim = 0). A folder is read when its pooled width is the one
+the run's tower gives, and refused naming both otherwise.
 """
 from __future__ import annotations
 
@@ -45,6 +46,9 @@ class SD3Config:
     depth: int = 4
     heads: int = 4
     qk_norm: str | None = None   # "rms_norm" (SD3.5) or None (SD3)
+    # 0: the pooled vector is the mean of the caption tokens (text_dim wide). > 0: SD3's text stack,
+    # whose first caption row carries the pooled CLIP vector in its first pooled_dim features.
+    pooled_dim: int = 0
     # Further SD3Transformer2DModel arguments over those the fields above give: a folder's settings
     # (preset "folder") that they do not cover, e.g. sample_size, pos_embed_max_size, dual attention.
     extra: dict = field(default_factory=dict)
@@ -83,18 +87,20 @@ def diffusers_kwargs(cfg: SD3Config) -> dict:
         raise ValueError(f"SD3 hidden={cfg.hidden} is not divisible by heads={cfg.heads}")
     kw = dict(sample_size=cfg.img_size, patch_size=cfg.patch_size, in_channels=cfg.in_channels, num_layers=cfg.depth,
               attention_head_dim=cfg.hidden // cfg.heads, num_attention_heads=cfg.heads,
-              joint_attention_dim=cfg.text_dim, caption_projection_dim=cfg.hidden, pooled_projection_dim=cfg.text_dim,
+              joint_attention_dim=cfg.text_dim, caption_projection_dim=cfg.hidden,
+              pooled_projection_dim=cfg.pooled_dim or cfg.text_dim,
               out_channels=cfg.in_channels,
               # a table exactly the input's patch grid unless a folder or preset says otherwise
               pos_embed_max_size=cfg.img_size // cfg.patch_size, qk_norm=cfg.qk_norm)
     return {**kw, **cfg.extra}
 
 
-def sd3_config_from_diffusers(config: dict, *, img_size: int, in_channels: int, text_dim: int,
-                              text_len: int) -> SD3Config:
+def sd3_config_from_diffusers(config: dict, *, img_size: int, in_channels: int, text_dim: int, text_len: int,
+                              pooled_dim: int = 0) -> SD3Config:
     """The SD3Config of a diffusers SD3Transformer2DModel config (its folder's config.json), for a run
-    whose model input is in_channels x img_size^2 and whose text tower is text_dim wide. Raises
-    ValueError, naming the setting, for a transformer this pipeline cannot drive."""
+    whose model input is in_channels x img_size^2 and whose text tower is text_dim wide (with a
+    pooled_dim-wide pooled vector: SD3's text stack; 0: any other tower). Raises ValueError, naming
+    the setting, for a transformer this pipeline cannot drive."""
     if config.get("_class_name", CLASS_NAME) != CLASS_NAME:
         raise ValueError(f"it holds a {config['_class_name']}, not a {CLASS_NAME}")
     params = _init_params()
@@ -107,10 +113,13 @@ def sd3_config_from_diffusers(config: dict, *, img_size: int, in_channels: int, 
     if s["joint_attention_dim"] != text_dim:
         raise ValueError(f"its caption width (joint_attention_dim) is {s['joint_attention_dim']}, while "
                          f"text.width={text_dim}")
-    if s["pooled_projection_dim"] != text_dim:
-        raise ValueError(f"its pooled_projection_dim is {s['pooled_projection_dim']}, while the pooled vector here is "
-                         f"the mean of the run's text features (text.width={text_dim}); SD3's own checkpoints take "
-                         "pooled CLIP-L + CLIP-G features, a three-encoder text stack this pipeline does not build")
+    if pooled_dim and s["pooled_projection_dim"] != pooled_dim:
+        raise ValueError(f"its pooled_projection_dim is {s['pooled_projection_dim']}, while the CLIP encoders of "
+                         f"text.hf_path give a pooled vector of {pooled_dim}")
+    if not pooled_dim and s["pooled_projection_dim"] != text_dim:
+        raise ValueError(f"its pooled_projection_dim is {s['pooled_projection_dim']}, while the pooled vector of this "
+                         f"text tower is the mean of its features (text.width={text_dim}); for SD3's own pooled CLIP "
+                         "features set text.hf_path to the SD3 pipeline folder (its three text encoders)")
     hidden = s["num_attention_heads"] * s["attention_head_dim"]
     if s["caption_projection_dim"] != hidden:
         raise ValueError(f"caption_projection_dim={s['caption_projection_dim']} differs from its width "
@@ -122,7 +131,7 @@ def sd3_config_from_diffusers(config: dict, *, img_size: int, in_channels: int, 
                          f"{img_size // s['patch_size']} of a {img_size} model input")
     fields = dict(img_size=img_size, in_channels=in_channels, patch_size=s["patch_size"], text_dim=text_dim,
                   text_len=text_len, hidden=hidden, depth=s["num_layers"], heads=s["num_attention_heads"],
-                  qk_norm=s["qk_norm"])
+                  qk_norm=s["qk_norm"], pooled_dim=pooled_dim)
     built = diffusers_kwargs(SD3Config(**fields))
     # Every other setting of the folder (sample_size and pos_embed_max_size, which place the
     # position table; dual attention layers, ...) passed on as it is: the same network.
@@ -162,12 +171,16 @@ class SD3(DiffusersTransformer):
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor,
                 context_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x (B, C, H, W); t (B,) in [0, 1] (0 = data); context (B, L, text_dim);
-        context_mask (B, L) bool True = real token (used by the pooled vector only). Returns (B, C, H, W)."""
+        """x (B, C, H, W); t (B,) in [0, 1] (0 = data); context (B, L, text_dim) (with pooled_dim, its
+        first row the pooled vector); context_mask (B, L) bool True = real token (used by the mean
+        pooled vector only). Returns (B, C, H, W)."""
         p = self.cfg.patch_size
         if x.shape[-2] % p or x.shape[-1] % p:
             raise ValueError(f"SD3 input {tuple(x.shape[-2:])} is not divisible by its patch size {p}")
         context = context.to(x.dtype)
-        return self.transformer(hidden_states=x, encoder_hidden_states=context,
-                                pooled_projections=pooled_text(context, context_mask),
+        if self.cfg.pooled_dim:
+            pooled, context = context[:, 0, :self.cfg.pooled_dim], context[:, 1:]
+        else:
+            pooled = pooled_text(context, context_mask)
+        return self.transformer(hidden_states=x, encoder_hidden_states=context, pooled_projections=pooled,
                                 timestep=t.to(torch.float32) * TIME_SCALE, return_dict=False)[0]
