@@ -195,7 +195,6 @@ class HFTextEncoder(nn.Module):
         return hf_text_features(self.model, self.tokenizer, texts, self.context_length, self.padding_mask)
 
 
-
 def is_sd3_text_folder(path: str) -> bool:
     """Whether `path` is a diffusers pipeline folder with Stable Diffusion 3's three text encoders
     (model_index.json naming text_encoder, text_encoder_2 and text_encoder_3)."""
@@ -282,6 +281,7 @@ class SD3TextEncoders(nn.Module):
         pad = lambda x: nn.functional.pad(x, (0, self.width - x.shape[-1]))  # noqa: E731
         tokens = torch.cat([pad(torch.cat(pooled, -1)).unsqueeze(1), pad(clip), t5], 1)
         return tokens, torch.ones(tokens.shape[:2], dtype=torch.bool, device=device)
+
 
 def build_text_encoder(text_cfg, run_seed: int) -> TextEncoder | HFTextEncoder | SD3TextEncoders:
     """The tower a run's `text` config section describes (common.config.TextConfig): the Hugging

@@ -31,7 +31,6 @@ from pipelines.text2image.unet import _plain
 
 # SD3's timestep scale: the flow-matching sigma in [0, 1] times 1000, which is this pipeline's t.
 TIME_SCALE = 1000.0
-FOLDER_PRESET = "folder"
 CLASS_NAME = "SD3Transformer2DModel"
 
 
