@@ -174,7 +174,7 @@ def test_folder_sd3_refusals(sd3_folder, tmp_path):
     from common.config import ConfigError
     from pipelines.text2image import components
     from pipelines.text2image.diffusers_pipeline import init_from
-    from pipelines.text2image.export import build_pipeline
+    from pipelines.text2image.export import build_pipeline, sd3_blockers
     from pipelines.text2image.sd3 import sd3_config_from_diffusers
     sizes = dict(img_size=128, in_channels=16, text_dim=4096, text_len=256)
     with pytest.raises(ValueError, match=r"pooled_projection_dim is 2048, .*\(text.width=4096\).*three text encoders"):
@@ -215,8 +215,15 @@ def test_folder_sd3_refusals(sd3_folder, tmp_path):
     dit = components.build(t2i_cfg())
     with pytest.raises(ConfigError, match="holds a SD3Transformer2DModel .*model.arch=sd3 model.preset=folder"):
         init_from(dit, sd3_folder)
-    with pytest.raises(ConfigError, match="model.arch=sd3 run cannot be exported"):
+    with pytest.raises(ConfigError, match="model.arch=sd3 run exports as diffusers' own StableDiffusion3Pipeline"):
         build_pipeline(preset)
+    # The stock SD3 pipeline names what a run lacks: SD3's own encoders and a VAE.
+    assert [w.split(" (")[0] for w in sd3_blockers(preset)] == ["its text encoder is not SD3's three",
+                                                               "it has no VAE"]
+    with pytest.raises(ConfigError, match="--pipeline sd3: this run cannot be one"):
+        build_pipeline(preset, "sd3")
+    assert [w.split(" (")[0] for w in sd3_blockers(dit)] == [
+        "its denoiser is not an SD3 transformer", "its text encoder is not SD3's three", "it has no VAE"]
 
 
 # --------------------------------------------------------------------------- SD3's own text stack
@@ -228,13 +235,15 @@ STACK_KWARGS = dict(sample_size=32, patch_size=4, in_channels=3, out_channels=3,
                     pos_embed_max_size=8)
 
 
-def make_sd3_stack_folder(folder: str) -> None:
+def make_sd3_stack_folder(folder: str, latent: bool = False) -> None:
     """An SD3 pipeline folder with its three text encoders: CLIP-L-like (width 8) and CLIP-G-like
-    (width 16) CLIPTextModelWithProjection, a T5 encoder, their tokenizers, and a transformer."""
+    (width 16) CLIPTextModelWithProjection, a T5 encoder, their tokenizers, and a transformer on
+    pixels; with `latent`, on the 16 x 16 x 4 latents of a tiny VAE with a shift, as SD3's."""
     from diffusers import SD3Transformer2DModel
     from transformers import AutoTokenizer
 
     from tests.test_t2i_diffusers import make_clip, make_t5
+    from tests.test_t2i_sd_folder import make_vae
     for sub, width in [("", 8), ("_2", 16)]:
         make_clip(os.path.join(folder, f"text_encoder{sub}"), width=width, projection_dim=8)
         AutoTokenizer.from_pretrained(os.path.join(folder, f"text_encoder{sub}")).save_pretrained(
@@ -243,7 +252,12 @@ def make_sd3_stack_folder(folder: str) -> None:
     AutoTokenizer.from_pretrained(os.path.join(folder, "text_encoder_3")).save_pretrained(
         os.path.join(folder, "tokenizer_3"))
     torch.manual_seed(6)
-    SD3Transformer2DModel(**STACK_KWARGS).save_pretrained(os.path.join(folder, "transformer"))
+    latents = dict(sample_size=16, patch_size=2, in_channels=4, out_channels=4) if latent else {}
+    SD3Transformer2DModel(**{**STACK_KWARGS, **latents}).save_pretrained(os.path.join(folder, "transformer"))
+    if latent:
+        vae = make_vae()
+        vae.register_to_config(shift_factor=0.1, scaling_factor=1.2)
+        vae.save_pretrained(os.path.join(folder, "vae"))
     json.dump({"_class_name": "StableDiffusion3Pipeline", "transformer": ["diffusers", "SD3Transformer2DModel"],
                **{f"text_encoder{s}": ["transformers", "CLIPTextModelWithProjection"] for s in ("", "_2")},
                "text_encoder_3": ["transformers", "T5EncoderModel"]},
@@ -254,6 +268,13 @@ def make_sd3_stack_folder(folder: str) -> None:
 def sd3_stack_folder(tmp_path_factory) -> str:
     folder = str(tmp_path_factory.mktemp("sd3stack") / "sd3")
     make_sd3_stack_folder(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def sd3_latent_folder(tmp_path_factory) -> str:
+    folder = str(tmp_path_factory.mktemp("sd3latent") / "sd3")
+    make_sd3_stack_folder(folder, latent=True)
     return folder
 
 
@@ -375,6 +396,39 @@ def test_fine_tune_folder_sd3_and_sample(text, request, synth_data, tmp_path):
         got = torch.from_numpy(np.array(Image.open(os.path.join(out, entry["file"]))))
         assert torch.equal(got, image), prompt
         shutil.rmtree(out)
+
+
+def test_fine_tune_sd3_exports_stock_pipeline(sd3_latent_folder, synth_data, tmp_path):
+    """Three steps of an SD3 fine-tune (its text stack, a VAE with a shift), then --pipeline sd3:
+    diffusers' own StableDiffusion3Pipeline, loaded without the project's code, draws the images
+    sample.py draws from the same noise and (unshifted) sigmas, with the run's T5 length."""
+    from diffusers import StableDiffusion3Pipeline
+
+    from common.diffusion.diffusers_parts import seeded_noise
+    from common.run import load_run
+    from pipelines.text2image.spec import SPEC
+    run, out = str(tmp_path / "run"), str(tmp_path / "export")
+    run_checked(train_cmd() + [
+        "--config", TINY_YAML, f"run.dir={run}", f"data.train_shards={synth_data}/train",
+        f"data.eval_shards={synth_data}/heldout", *stack_overrides(sd3_latent_folder),
+        f"vae.path={sd3_latent_folder}/vae", "train.progress=false", "data.num_workers=0", *FAST])
+    comp, _ = load_run(SPEC, run)
+    assert comp.latent_shift == pytest.approx(0.1) and comp.latent_channels == 4
+    proc = run_module("pipelines.text2image.export", "--run", run, "--out", out, "--pipeline", "sd3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "trust_remote_code" not in proc.stdout and not os.path.exists(os.path.join(out, "pipeline.py"))
+    assert json.load(open(os.path.join(out, "model_index.json")))["_class_name"] == "StableDiffusion3Pipeline"
+    assert f"max_sequence_length={CONTEXT}" in open(os.path.join(out, "README.md")).read()
+    pipe = StableDiffusion3Pipeline.from_pretrained(out)
+    noise = seeded_noise(len(PROMPTS), (4, 16, 16), None, SEEDS[0], None, "cpu", torch.float32)
+    got = pipe(PROMPTS, sigmas=np.linspace(1.0, 0.0, STEPS + 1)[:-1].tolist(), guidance_scale=CFG, latents=noise,
+               output_type="pt", max_sequence_length=CONTEXT, height=32, width=32).images
+    ref, _ = ours(comp)
+    diff = (got * 2 - 1 - ref).abs().max().item()
+    print(f"StableDiffusion3Pipeline vs sample.py: max abs diff {diff:.2e} on [-1, 1]")
+    assert diff < 1e-4 and ref.std() > 0.05
+    proc = run_module("pipelines.text2image.export", "--run", run, "--out", str(tmp_path / "project"))
+    assert proc.returncode != 0 and "--pipeline sd3" in proc.stderr
 
 
 # --------------------------------------------------------------------------- data parallelism

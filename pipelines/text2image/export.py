@@ -2,7 +2,7 @@
 checkpoint has them).
 
   python -m pipelines.text2image.export --run RUN_DIR --out DIR [--checkpoint CKPT]
-         [--weights ema|trained] [--overwrite] [--pipeline project|stable_diffusion|pixart]
+         [--weights ema|trained] [--overwrite] [--pipeline project|stable_diffusion|pixart|sd3]
 
 The folder loads with the project installed (pip install -e <repo>):
 
@@ -25,10 +25,15 @@ needed to load it), for a run conditioned as Stable Diffusion is (an SD UNet fin
 configs/sd15_finetune.yaml): `StableDiffusionPipeline.from_pretrained(DIR)`. --pipeline pixart
 writes diffusers' own PixArtAlphaPipeline for a model.arch=pixart DDPM run (a PixArt-alpha / Sigma
 fine-tune): `PixArtAlphaPipeline.from_pretrained(DIR)`; PixArt runs export only this way.
+--pipeline sd3 writes diffusers' own StableDiffusion3Pipeline for a model.arch=sd3 run on SD3's
+text stack (text.hf_path = an SD3 pipeline folder) with a VAE, trained with rectified flow:
+`StableDiffusion3Pipeline.from_pretrained(DIR)`; SD3 runs export only this way.
 """
 from __future__ import annotations
 
 import os
+
+import numpy as np
 
 from common.cli import run_cli
 from common.config import ConfigError
@@ -38,7 +43,7 @@ from common.diffusion.samplers import ddim_timesteps
 from common.nn.text_encoder import TextEncoder
 
 
-PIPELINES = ("project", "stable_diffusion", "pixart")
+PIPELINES = ("project", "stable_diffusion", "pixart", "sd3")
 
 
 def add_options(p) -> list[str]:
@@ -49,7 +54,10 @@ def add_options(p) -> list[str]:
                         "text.hf_padding_mask=false, a VAE, DDPM); it samples with the scheduler's own timestep "
                         "spacing unless given timesteps=. pixart: diffusers' own PixArtAlphaPipeline (loads "
                         "without the project), for a model.arch=pixart run with a VAE and a Hugging Face text "
-                        "encoder run with its padding mask (e.g. PixArt's T5), trained with DDPM")
+                        "encoder run with its padding mask (e.g. PixArt's T5), trained with DDPM. sd3: diffusers' "
+                        "own StableDiffusion3Pipeline (loads without the project), for a model.arch=sd3 run on SD3's "
+                        "three text encoders (text.hf_path = an SD3 pipeline folder) with a VAE, trained with "
+                        "rectified flow")
     return ["pipeline"]
 
 
@@ -113,6 +121,38 @@ def build_pixart(comp):
                                scheduler=scheduler_for(comp.objective, comp.num_tokens))
 
 
+def sd3_blockers(comp) -> list[str]:
+    """Why a run cannot be a StableDiffusion3Pipeline (empty: it can): that pipeline feeds its
+    transformer SD3's three encoders' features (CLIP-L, CLIP-G and T5 tokens, the pooled CLIP
+    vector), sigma x 1000 as the timestep, and VAE latents shifted and scaled."""
+    from common.nn.text_encoder import SD3TextEncoders
+    from pipelines.text2image.sd3 import SD3
+    why = []
+    if not isinstance(comp.model, SD3):
+        why.append("its denoiser is not an SD3 transformer (model.arch=sd3)")
+    if not isinstance(comp.text_encoder, SD3TextEncoders):
+        why.append("its text encoder is not SD3's three (text.hf_path = an SD3 pipeline folder)")
+    if comp.vae is None:
+        why.append("it has no VAE (vae.path)")
+    if not isinstance(comp.objective, RectifiedFlow):
+        why.append("its objective is not rectified flow (diffusion.objective=flow)")
+    return why
+
+
+def build_sd3(comp):
+    from diffusers import StableDiffusion3Pipeline
+
+    from common.diffusion.diffusers_parts import scheduler_for
+    why = sd3_blockers(comp)
+    if why:
+        raise ConfigError(f"--pipeline sd3: this run cannot be one: {'; '.join(why)}")
+    enc = comp.text_encoder
+    return StableDiffusion3Pipeline(transformer=comp.model.transformer, vae=run_vae(comp),
+                                    scheduler=scheduler_for(comp.objective, comp.num_tokens),
+                                    text_encoder=enc.clip_l, tokenizer=enc.tok_l, text_encoder_2=enc.clip_g,
+                                    tokenizer_2=enc.tok_g, text_encoder_3=enc.t5, tokenizer_3=enc.tok_t5)
+
+
 def run_vae(comp):
     """The run's VAE (or None) carrying the run's vae.scaling_factor override, where diffusers reads it."""
     if comp.vae is not None and comp.cfg.vae.scaling_factor:
@@ -143,6 +183,8 @@ def build_pipeline(comp, pipeline: str = "project"):
         return build_stable_diffusion(comp)
     if pipeline == "pixart":
         return build_pixart(comp)
+    if pipeline == "sd3":
+        return build_sd3(comp)
     from pipelines.text2image.diffusers_pipeline import (OpenCLIPTextModel, TextToImageDiTModel,
                                                          TextToImagePipeline, scheduler_for)
     from pipelines.text2image.model import DiT
@@ -155,9 +197,8 @@ def build_pipeline(comp, pipeline: str = "project"):
                         unet_patch_size=int(getattr(comp.model.cfg, "patch_size", 1)),
                         unet_text_mask=bool(getattr(comp.model.cfg, "text_mask", True)))
     elif isinstance(comp.model, SD3):
-        raise ConfigError("a model.arch=sd3 run cannot be exported as a diffusers pipeline yet: diffusers' own "
-                          "StableDiffusion3Pipeline feeds its transformer from SD3's three text encoders, which "
-                          "this run does not have; its checkpoints load with model.init_from and sample.py")
+        raise ConfigError("a model.arch=sd3 run exports as diffusers' own StableDiffusion3Pipeline: --pipeline sd3 "
+                          "(on SD3's own text encoders, text.hf_path = an SD3 pipeline folder)")
     elif hasattr(comp.model, "transformer"):  # pipelines/text2image/pixart.py
         raise ConfigError("a model.arch=pixart run exports as diffusers' own PixArtAlphaPipeline: --pipeline pixart")
     else:
@@ -186,6 +227,38 @@ def _is_stable_diffusion(pipe) -> bool:
 
 def _is_pixart(pipe) -> bool:
     return type(pipe).__name__ == "PixArtAlphaPipeline"
+
+
+def _is_sd3(pipe) -> bool:
+    return type(pipe).__name__ == "StableDiffusion3Pipeline"
+
+
+def _sd3_model_card(comp, meta: dict, ckpt: str, weights: str, pipe, run: str) -> str:
+    cfg = comp.cfg
+    sigmas = ", ".join(f"{s:g}" for s in np.linspace(1.0, 0.0, cfg.sample.steps + 1)[:-1])
+    return f"""---
+library_name: diffusers
+tags: [text-to-image, stable-diffusion-3]
+---
+# Stable Diffusion 3 pipeline{f' ({cfg.run.name})' if cfg.run.name else ''}
+
+Fine-tuned in the run `{os.path.abspath(run)}`, checkpoint `{os.path.basename(ckpt)}` (step {meta['step']}).
+Weights: **{weights}**. Resolution {cfg.model.image_size} px. A plain diffusers StableDiffusion3Pipeline:
+SD3Transformer2DModel ({sum(p.numel() for p in pipe.transformer.parameters()) / 1e6:.1f}M parameters), the
+frozen CLIP-L, CLIP-G and T5 encoders it was trained on, AutoencoderKL, and {_describe_scheduler(comp, pipe)}.
+`training_config.yaml` is the run's resolved config.
+
+```python
+from diffusers import StableDiffusion3Pipeline
+pipe = StableDiffusion3Pipeline.from_pretrained(FOLDER)
+image = pipe("a red circle", num_inference_steps={cfg.sample.steps}, guidance_scale={cfg.sample.cfg:g},
+             max_sequence_length={cfg.text.context_length}, height={cfg.model.image_size}, width={cfg.model.image_size}).images[0]
+```
+The run's captions were {cfg.text.context_length} T5 tokens: pass `max_sequence_length` as above. The
+training run's own sampler (`python -m pipelines.text2image.sample`) steps through the unshifted
+sigmas [{sigmas}] (the scheduler shifts them); pass them as `sigmas=[...]` (and its noise as
+`latents=`) to draw the same image.
+"""
 
 
 def _pixart_model_card(comp, meta: dict, ckpt: str, weights: str, pipe, run: str) -> str:
@@ -248,6 +321,8 @@ def _model_card(comp, meta: dict, ckpt: str, weights: str, pipe, run: str) -> st
         return _sd_model_card(comp, meta, ckpt, weights, pipe, run)
     if _is_pixart(pipe):
         return _pixart_model_card(comp, meta, ckpt, weights, pipe, run)
+    if _is_sd3(pipe):
+        return _sd3_model_card(comp, meta, ckpt, weights, pipe, run)
     cfg = comp.cfg
     parts = [f"- denoiser: {'transformer: our DiT' if pipe.transformer is not None else 'unet: UNet2DConditionModel'} "
              f"({sum(p.numel() for p in pipe.denoiser.parameters()) / 1e6:.2f}M parameters), "
@@ -288,6 +363,9 @@ def _summary(comp, pipe) -> str:
         return f"StableDiffusionPipeline (unet, text_encoder, tokenizer, vae), scheduler {_describe_scheduler(comp, pipe)}"
     if _is_pixart(pipe):
         return f"PixArtAlphaPipeline (transformer, text_encoder, tokenizer, vae), scheduler {_describe_scheduler(comp, pipe)}"
+    if _is_sd3(pipe):
+        return (f"StableDiffusion3Pipeline (transformer, text_encoder x3, tokenizer x3, vae), scheduler "
+                f"{_describe_scheduler(comp, pipe)}")
     parts = ["transformer" if pipe.transformer is not None else "unet", "text_encoder"]
     parts += ["tokenizer"] if pipe.tokenizer is not None else []
     parts += ["vae"] if pipe.vae is not None else []
