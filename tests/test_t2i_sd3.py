@@ -334,12 +334,15 @@ def test_sd3_text_stack_encodes_as_diffusers_pipeline(sd3_stack_folder):
 
 def test_sd3_folder_pooled_width_needs_its_text_stack(sd3_stack_folder):
     """The same folder with a single tower (no SD3 stack): its 16-wide pooled projection cannot take
-    the tower's mean, and the refusal says which text.hf_path gives SD3's pooled features."""
+    the tower's mean, and the refusal says which text.hf_path gives SD3's pooled features. The
+    stack itself feeds SD3 only: another denoiser would read its pooled row as a caption token."""
     from common.config import ConfigError
     from pipelines.text2image import components
     with pytest.raises(ConfigError, match="pooled_projection_dim is 16, while the pooled vector of this text tower is "
                                           "the mean of its features .text.width=32.; .* set text.hf_path to the SD3"):
         components.build(t2i_cfg(*folder_overrides(sd3_stack_folder), "text.width=32"))
+    with pytest.raises(ConfigError, match="is a Stable Diffusion 3 pipeline folder: .* SD3 transformer only"):
+        components.build(t2i_cfg(f"text.hf_path={sd3_stack_folder}", "text.width=32"))
 
 
 def test_vae_shift_factor_as_sd3_pipeline(tmp_path):

@@ -283,14 +283,20 @@ class SD3TextEncoders(nn.Module):
         return tokens, torch.ones(tokens.shape[:2], dtype=torch.bool, device=device)
 
 
-def build_text_encoder(text_cfg, run_seed: int) -> TextEncoder | HFTextEncoder | SD3TextEncoders:
+def build_text_encoder(text_cfg, run_seed: int,
+                       sd3_stack: bool = False) -> TextEncoder | HFTextEncoder | SD3TextEncoders:
     """The tower a run's `text` config section describes (common.config.TextConfig): the Hugging
-    Face encoder of text.hf_path (SD3's three encoders when it is an SD3 pipeline folder), else
-    open_clip's seeded from the run seed apart from the global RNG (which it leaves untouched)."""
+    Face encoder of text.hf_path (SD3's three encoders when it is an SD3 pipeline folder, for a
+    caller whose model reads their pooled row: sd3_stack), else open_clip's seeded from the run
+    seed apart from the global RNG (which it leaves untouched)."""
     from common.diffusion.noise import mix_seed
     if getattr(text_cfg, "hf_path", ""):
         from common.config import ConfigError
         if is_sd3_text_folder(text_cfg.hf_path):
+            if not sd3_stack:
+                raise ConfigError(f"text.hf_path={text_cfg.hf_path} is a Stable Diffusion 3 pipeline folder: its three "
+                                  "text encoders feed an SD3 transformer only (text2image model.arch=sd3); for another "
+                                  "model point text.hf_path at one of them, e.g. its text_encoder_3/ (T5)")
             enc = SD3TextEncoders(text_cfg.hf_path, text_cfg.context_length)
         else:
             enc = HFTextEncoder(text_cfg.hf_path, text_cfg.context_length, getattr(text_cfg, "hf_padding_mask", True))
