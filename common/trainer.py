@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from common import dist as mdist
-from common.checkpoint import CheckpointManager, latest_complete
+from common.checkpoint import CheckpointManager, FrozenModules, latest_complete
 from common.config import to_yaml
 from common.ema import EMA
 from common.faults import CheckpointInterval, FaultInjector, HangWatchdog, StragglerMonitor, interval_message
@@ -60,7 +60,7 @@ class Trainer:
         # Written to the run dir once the checkpoint signature check passed (fit), and into every
         # checkpoint: a mistaken relaunch with another model must not replace the run's config.
         self.config_yaml = to_yaml(cfg)
-        self.frozen = frozen or {}
+        self.frozen = FrozenModules(frozen)
         self.optimizer = build_optimizer(model, cfg.optim)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.ema = EMA(pm.plain, cfg.train.ema_decay, cfg.train.ema_warmup) if cfg.train.ema_decay > 0 else None
@@ -78,14 +78,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
     def _tensor_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        state = {name: dict(m.state_dict()) for name, m in self.frozen.items()}
+        state = self.frozen.state()
         if self.ema is not None:
             state["ema"] = self.ema.state_dict()
         return state
 
     def save(self) -> str:
         meta = {"loader": self.loader.state_dict(), "skipped_steps": self.skipped_steps,
-                "corrupt_total": self.corrupt_total, "samples_seen": self.samples_seen, "config": self.config_yaml}
+                "corrupt_total": self.corrupt_total, "samples_seen": self.samples_seen, "config": self.config_yaml,
+                "frozen_folders": self.frozen.from_folders}
         return self.ckpt.save(self.step, self.model, self.optimizer, self._tensor_state(), meta)
 
     def resume(self) -> str | None:
@@ -97,6 +98,7 @@ class Trainer:
             return None
         # param_groups options come back from the checkpoint; foreach / fused belong to this layout.
         impl = [{k: g.get(k) for k in ("foreach", "fused")} for g in self.optimizer.param_groups]
+        self.frozen.check(path, self.ckpt.check_signature(path))
         meta = self.ckpt.load(path, self.model, self.optimizer, self._tensor_state())
         for group, value in zip(self.optimizer.param_groups, impl):
             group.update(value)

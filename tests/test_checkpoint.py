@@ -71,3 +71,61 @@ def test_other_model_is_refused_before_loading(tmp_path):
         other.load(other.resolve("auto"), m, opt, {})
     with pytest.raises(CheckpointError, match="not found"):
         other.resolve(str(tmp_path / "nope"))
+
+
+def test_weights_fingerprint_sees_one_ulp_and_nothing_else():
+    """The fingerprint of a folder-loaded frozen module: equal for an equal copy (other thread
+    count, other parameter order), different after one value moves by one ulp, after two tensors
+    swap, or when a value changes dtype."""
+    from common.checkpoint import weights_fingerprint
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    fp = weights_fingerprint(m)
+    copy = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    copy.load_state_dict(m.state_dict())
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert weights_fingerprint(copy) == fp
+    finally:
+        torch.set_num_threads(threads)
+    with torch.no_grad():
+        w = copy[1].weight
+        w[17, 3] = torch.nextafter(w[17, 3], torch.tensor(float("inf")))
+    assert weights_fingerprint(copy) != fp
+    swapped = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    swapped[0].load_state_dict(m[1].state_dict())
+    swapped[1].load_state_dict(m[0].state_dict())
+    assert weights_fingerprint(swapped) != fp
+    assert weights_fingerprint(m.double()) != fp
+
+
+def test_folder_loaded_frozen_module_is_fingerprinted_not_saved(tmp_path):
+    """A frozen module with `weights_folder` leaves no tensors in the checkpoint; its fingerprint
+    in meta.json lets a load with the same weights pass and refuses other weights in one line. A
+    module without the attribute is saved and restored."""
+    import torch.distributed.checkpoint as dcp
+
+    from common.checkpoint import FrozenModules, read_meta
+
+    class FromFolder(torch.nn.Linear):
+        weights_folder = "/models/t5"
+
+    m, opt = _model_opt(0)
+    torch.manual_seed(1)
+    tower, random_tower = FromFolder(4, 4), torch.nn.Linear(4, 4)
+    frozen = FrozenModules({"text_encoder": tower, "codec": random_tower})
+    assert set(frozen.saved) == {"codec"}
+    mgr = CheckpointManager(str(tmp_path), keep_last=2, signature={"model": "a"}, info=INFO)
+    path = mgr.save(1, m, opt, frozen.state(), {"frozen_folders": frozen.from_folders})
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    assert any(k.startswith("codec.") for k in keys) and not any(k.startswith("text_encoder") for k in keys)
+    meta = read_meta(path)
+    assert meta["frozen_folders"]["text_encoder"]["folder"] == "/models/t5"
+    FrozenModules({"text_encoder": tower}).check(path, meta)  # same weights: passes
+    with torch.no_grad():
+        tower.weight[0, 0] += 1e-3
+    with pytest.raises(CheckpointError, match="now holds other weights") as e:
+        FrozenModules({"text_encoder": tower}).check(path, meta)
+    assert meta["frozen_folders"]["text_encoder"]["fingerprint"] in str(e.value) and "\n" not in str(e.value)
+    FrozenModules({"text_encoder": tower}).check(path, {})  # written before fingerprints: passes

@@ -253,13 +253,41 @@ def test_hf_t5_text_encoder_trains_and_exports(synth_data, tmp_path):
     # eps-prediction on the linear schedule. (On the cosine schedule the first DDIM step divides by
     # sqrt(alpha_bar_999) ~ 5e-5: an untrained eps model's x0 reaches ~1e4, and float32 rounding of
     # the two algebraically equal updates differs by ~1e-7 of that, ~6e-4 after clamping.)
-    run_train(run, synth_data, *FAST, f"text.hf_path={t5}", "diffusion.objective=ddpm", "diffusion.ddpm_schedule=linear")
+    overrides = (*FAST, f"text.hf_path={t5}", "diffusion.objective=ddpm", "diffusion.ddpm_schedule=linear")
+    run_train(run, synth_data, *overrides)
     proc = run_module("pipelines.text2image.export", "--run", run, "--out", out)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    comp, _ = load_run(SPEC, run)
+    comp, meta = load_run(SPEC, run)
     pipe = DiffusionPipeline.from_pretrained(out, trust_remote_code=True)
     assert type(pipe.text_encoder).__name__ == "T5EncoderModel" and pipe.tokenizer is not None
     assert_same_images(pipe, comp)
+    assert_tower_fingerprinted_not_saved(run, meta["path"], t5, comp.text_encoder,
+                                         resume=lambda: run_train(run, synth_data, *overrides, "train.steps=6",
+                                                                  "run.resume=auto", check=False))
+
+
+def assert_tower_fingerprinted_not_saved(run: str, ckpt: str, folder: str, tower, resume) -> None:
+    """The checkpoint holds no tensor of the folder's text tower, only its fingerprint; once the
+    folder's weights change, sample/eval/export (load_run) and resume refuse in one line."""
+    import torch.distributed.checkpoint as dcp
+    import transformers
+
+    from common.checkpoint import CheckpointError, read_meta, weights_fingerprint
+    from common.run import load_run
+    from pipelines.text2image.spec import SPEC
+    keys = dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata
+    assert any(k.startswith("model.") for k in keys) and not any(k.startswith("text_encoder") for k in keys)
+    assert read_meta(ckpt)["frozen_folders"]["text_encoder"] == {"folder": folder,
+                                                                 "fingerprint": weights_fingerprint(tower)}
+    model = transformers.AutoModel.from_pretrained(folder)
+    with torch.no_grad():
+        next(model.parameters())[0, 0] += 1e-3
+    model.save_pretrained(folder)
+    with pytest.raises(CheckpointError, match="now holds other weights"):
+        load_run(SPEC, run)
+    proc = resume()
+    assert proc.returncode != 0 and "now holds other weights" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
 
 # ---------------------------------------------------------------------- UNet denoiser

@@ -374,6 +374,7 @@ def test_fine_tune_folder_sd3_and_sample(text, request, synth_data, tmp_path):
     """Three flow-matching steps from the folder's weights (with the run's tower, or with SD3's own
     text stack from its folder); the run's weights moved off them, and sample.py draws from the run
     exactly what the library's generate draws."""
+    import torch.distributed.checkpoint as dcp
     from diffusers import SD3Transformer2DModel
 
     from common.run import load_run
@@ -384,7 +385,10 @@ def test_fine_tune_folder_sd3_and_sample(text, request, synth_data, tmp_path):
     run_checked(train_cmd() + [
         "--config", TINY_YAML, f"run.dir={run}", f"data.train_shards={synth_data}/train",
         f"data.eval_shards={synth_data}/heldout", *overrides, "train.progress=false", "data.num_workers=0", *FAST])
-    comp, _ = load_run(SPEC, run)
+    comp, meta = load_run(SPEC, run)
+    # The run's random tower is saved with the checkpoint; SD3's stack is fingerprinted, not saved.
+    saved = dcp.FileSystemReader(meta["path"]).read_metadata().state_dict_metadata
+    assert any(k.startswith("text_encoder.") for k in saved) == (text == "tower")
     start = SD3Transformer2DModel.from_pretrained(os.path.join(sd3_folder, "transformer"))
     moved = max((comp.model.transformer.state_dict()[k] - v).abs().max().item() for k, v in start.state_dict().items())
     assert moved > 1e-4

@@ -145,7 +145,8 @@ class TextDiffusionComponents:
 
     @property
     def frozen(self) -> dict:
-        """Frozen modules saved with checkpoints (the VAE is not: run.vae.path names it)."""
+        """Frozen modules of checkpoints (the VAE is not one: run.vae.path names it; a text tower
+        loaded from text.hf_path is fingerprinted, not saved: common.checkpoint.FrozenModules)."""
         return {"text_encoder": self.text_encoder}
 
     def to(self, device) -> None:

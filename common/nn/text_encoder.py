@@ -151,7 +151,7 @@ def hf_text_features(model, tokenizer, texts: list[str], context_length: int,
 class HFTextEncoder(nn.Module):
     """A frozen transformers CLIP or T5 text encoder and the tokenizer from the same local folder
     (or a `tokenizer` folder beside it), behind TextEncoder's interface. Its weights are those of
-    the folder; a run saves them in its checkpoints like the open_clip tower's."""
+    the folder: checkpoints record their fingerprint, not the weights (common.checkpoint.FrozenModules)."""
 
     def __init__(self, path: str, context_length: int, padding_mask: bool = True):
         super().__init__()
@@ -178,6 +178,10 @@ class HFTextEncoder(nn.Module):
         self.path, self.context_length, self.padding_mask = path, context_length, padding_mask
         self.requires_grad_(False)
         self.eval()
+
+    @property
+    def weights_folder(self) -> str:
+        return self.path
 
     @property
     def width(self) -> int:
@@ -217,8 +221,8 @@ class SD3TextEncoders(nn.Module):
     last hidden state on the caption padded to text.context_length (SD3: 256). Behind TextEncoder's
     interface, forward(texts) -> (tokens (B, 1 + 77 + context_length, width), mask all True: SD3
     attends to every position): row 0 holds the pooled vector (its first `pooled_width` features,
-    zeros after), then the CLIP tokens, then the T5 tokens. Weights are the folder's (saved in a
-    run's checkpoints like any frozen tower's)."""
+    zeros after), then the CLIP tokens, then the T5 tokens. Weights are the folder's: checkpoints
+    record their fingerprint, not the ~22 GB of weights (common.checkpoint.FrozenModules)."""
 
     padding_mask = False  # every position is attended, padding included, as SD3 was trained
 
@@ -252,6 +256,10 @@ class SD3TextEncoders(nn.Module):
         self.path, self.context_length = path, context_length
         self.requires_grad_(False)
         self.eval()
+
+    @property
+    def weights_folder(self) -> str:
+        return self.path
 
     @property
     def width(self) -> int:
