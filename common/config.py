@@ -63,6 +63,9 @@ class DataConfig:
                                    "a sample goes to the largest bucket that fits it", factory=list)
     bucket_target_tokens: int = doc(0, "per-rank tokens per micro-batch when bucketing: batch = "
                                     "max(1, target // tokens(bucket)); replaces micro_batch_size")
+    text_features: bool = doc(True, "text diffusion: take a sample's precomputed caption features (python -m "
+                                    "data.precompute --text-encoder) instead of running the frozen text tower; the "
+                                    "run stops if they were made by another tower | false: always run the tower")
 
 
 @dataclass

@@ -11,11 +11,15 @@ dropped with --drop-media), plus per sample:
                  pipelines/text2image/components.encode_images). Images go through the training
                  decoder's transform (`ImageDecoder(image_size)`: RGB, shorter side resized,
                  centre crop, [-1, 1]); --image-size 0 keeps the native size.
-* `text_emb.npy` float16 (L, W): per-token outputs of `pipelines.text2image.model.TextEncoder`.
+* `text_emb.npy` float16 (L, W): per-token outputs of the run's frozen text tower (open_clip's,
+                 or a Hugging Face folder's with --text-hf-path, SD3's three-encoder stack for an
+                 SD3 pipeline folder). Training takes them instead of running the tower when the
+                 json's `text_emb.id` (common.nn.text_encoder.text_features_id: the tower's class,
+                 weight fingerprint, length, masking) is its own tower's (data.text_features).
 * `text_mask.npy` bool (L,): True = real token (SOT/EOT included), as TextEncoder returns it.
 * `json`         the original metadata plus `"latent": {"shape", "dtype", "scaling_factor_applied":
                  false, "mode": "mean", "image_size"}` and `"text_emb": {"shape", "dtype", "length",
-                 "mask": "text_mask.npy", "config"}`.
+                 "mask": "text_mask.npy", "config", "id"}`.
 
 Shard i of the (sorted, de-duplicated) input list is handled by rank i % world_size. An output
 shard is written to `NAME.tmp` and renamed when complete, so a re-run skips finished shards and
@@ -103,14 +107,30 @@ class Encoders:
             from common.data.images import ImageDecoder
             self.decoder = ImageDecoder(a.image_size or 1)
         if a.text_encoder:
-            from common.config import TextConfig
-            from common.nn.text_encoder import build_text_encoder
+            from common.config import ConfigError, TextConfig
+            from common.nn.text_encoder import build_text_encoder, text_features_id
             # Built as a training run builds it: a random tower equals the one of a run with
-            # run.seed == --seed.
-            self.text = build_text_encoder(TextConfig(width=a.text_width, layers=a.text_layers, heads=a.text_heads,
-                                                      context_length=a.text_context_length, weights=a.text_weights,
-                                                      layer_scale=a.text_layer_scale), a.seed).to(device)
-            self.text_cfg = self.text.cfg
+            # run.seed == --seed; a Hugging Face folder (text.hf_path) is the folder's tower,
+            # SD3's three-encoder stack for an SD3 pipeline folder.
+            cfg = TextConfig(width=a.text_width, layers=a.text_layers, heads=a.text_heads,
+                             context_length=a.text_context_length, weights=a.text_weights,
+                             layer_scale=a.text_layer_scale, hf_path=a.text_hf_path,
+                             hf_padding_mask=not a.text_hf_no_padding_mask)
+            if cfg.hf_path and not os.path.isdir(cfg.hf_path):
+                raise UsageError(f"--text-hf-path {cfg.hf_path!r} is not a directory")
+            try:
+                if cfg.hf_path:  # its width is the folder's, whatever --text-width says
+                    from common.nn.text_encoder import HFTextEncoder, SD3TextEncoders, is_sd3_text_folder
+                    self.text = (SD3TextEncoders(cfg.hf_path, cfg.context_length) if is_sd3_text_folder(cfg.hf_path)
+                                 else HFTextEncoder(cfg.hf_path, cfg.context_length, cfg.hf_padding_mask))
+                    cfg.width = self.text.width
+                else:
+                    self.text = build_text_encoder(cfg, a.seed)
+            except ConfigError as e:
+                raise UsageError(str(e)) from None
+            self.text = self.text.to(device)
+            self.text_cfg = {k: v for k, v in asdict(cfg).items() if v != ""}
+            self.text_id = text_features_id(self.text)
 
     def image_tensor(self, raw: bytes) -> torch.Tensor:
         if self.image_size:
@@ -176,7 +196,8 @@ def process_shard(src: str, dst: str, enc: Encoders, a: argparse.Namespace, repo
                 sample["text_emb.npy"] = _npy(tokens)
                 sample["text_mask.npy"] = _npy(mask)
                 meta["text_emb"] = {"shape": list(tokens.shape), "dtype": "float16", "length": int(mask.sum()),
-                                    "mask": "text_mask.npy", "config": asdict(enc.text_cfg) | {"seed": a.seed}}
+                                    "mask": "text_mask.npy", "config": enc.text_cfg | {"seed": a.seed},
+                                    "id": enc.text_id}
             sample["json"] = json.dumps(meta, sort_keys=True).encode("utf-8")
             writer.write({"__key__": key, **sample})
             counts["written"] += 1
@@ -315,7 +336,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="resize + centre-crop to this square size as the training decoder does "
                    "(0: native size, must be divisible by the VAE factor) (default 256)")
     p.add_argument("--drop-media", action="store_true", help="drop the jpg/png/webp members (needs --vae)")
-    t = p.add_argument_group("text encoder (pipelines.text2image.model.TextEncoder)")
+    t = p.add_argument_group("text encoder (as the run's `text` section builds it)")
     t.add_argument("--text-encoder", action="store_true", help="write text_emb.npy and text_mask.npy")
     t.add_argument("--text-width", type=int, default=128)
     t.add_argument("--text-layers", type=int, default=2)
@@ -325,6 +346,12 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--text-weights", default="", help="state-dict file; empty: random tower seeded by --seed")
     t.add_argument("--seed", type=int, default=0,
                    help="run.seed of the training run whose random text tower to reproduce (default 0)")
+    t.add_argument("--text-hf-path", default="",
+                   help="a local Hugging Face CLIP/T5 text encoder folder, or a Stable Diffusion 3 pipeline folder "
+                   "(its CLIP-L + CLIP-G + T5 stack), as the run's text.hf_path; its width is the folder's and "
+                   "--text-width/--text-layers/--text-heads are unused")
+    t.add_argument("--text-hf-no-padding-mask", action="store_true",
+                   help="as text.hf_padding_mask=false: the encoder runs on the padded ids unmasked (SD 1.x/2.x)")
     p.add_argument("--batch-size", type=int, default=32, help="samples per forward pass (default 32)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (under torchrun: cuda:LOCAL_RANK)")
     p.add_argument("--report", default=None,

@@ -73,7 +73,7 @@ def test_latents_text_resume_and_decoders(shards, vae_dir, tmp_path, capsys):
 
     # Values: the posterior mean of the VAE on the training transform, stored as float16.
     from common.data.images import ImageDecoder
-    from common.nn.text_encoder import TextEncoder, TextEncoderConfig
+    from common.nn.text_encoder import TextEncoder, TextEncoderConfig, text_features_id
     from common.diffusion.noise import mix_seed
     vae, dec = _vae(vae_dir), ImageDecoder(32)
     with torch.random.fork_rng(devices=[]):  # the tower a run with run.seed=3 builds
@@ -102,8 +102,13 @@ def test_latents_text_resume_and_decoders(shards, vae_dir, tmp_path, capsys):
                                   "mode": "mean", "image_size": 32}
         assert list(lat.shape) == [4, 16, 16]
         assert meta["text_emb"]["shape"] == [16, 32] and meta["text_emb"]["length"] == int(m.sum())
-        out_dec = ImageDecoder(32, use_latents=True)(s)
+        assert meta["text_emb"]["id"] == text_features_id(te)
+        out_dec = ImageDecoder(32, use_latents=True, text_features=True)(s)
         assert out_dec["latent"].shape == (4, 16, 16) and "image" not in out_dec
+        tokens, stored_mask, stored_id = out_dec["text_features"]
+        assert torch.equal(tokens, torch.from_numpy(emb.astype(np.float32))) and stored_id == meta["text_emb"]["id"]
+        assert torch.equal(stored_mask, torch.from_numpy(m))
+        assert ImageDecoder(32, text_features=True)(src[j])["text_features"] is None  # not precomputed
 
     # Resume: delete one output, leave a stale tmp; only that shard is redone.
     os.remove(os.path.join(out, "shard-000002.tar"))
@@ -156,3 +161,59 @@ def test_two_ranks(shards, vae_dir, tmp_path):
     b = _samples(os.path.join(single, "shard-000001.tar"))
     np.testing.assert_allclose(*(np.load(io.BytesIO(s[0]["latent.npy"])).astype(np.float32) for s in (a, b)),
                                rtol=1e-3, atol=1e-3)
+
+
+def test_hugging_face_text_encoder_features(shards, tmp_path, capsys):
+    """--text-hf-path: a T5 folder's features (its width, whatever --text-width says), with the id
+    of the tower a run with text.hf_path builds."""
+    from common.nn.text_encoder import HFTextEncoder, text_features_id
+    from tests.test_t2i_diffusers import make_t5
+    t5, out = str(tmp_path / "t5"), str(tmp_path / "out")
+    make_t5(t5, width=48)
+    args = [os.path.join(shards, "shard-000000.tar"), "--out", out, "--device", "cpu", "--no-progress",
+            "--text-encoder", "--text-hf-path", t5, "--text-context-length", "12"]
+    assert precompute.main(args) == 0
+    tower = HFTextEncoder(t5, 12)
+    got = _samples(os.path.join(out, "shard-000000.tar"))
+    ref, ref_mask = tower([s["txt"].decode() for s in got])
+    for j, s in enumerate(got):
+        emb = np.load(io.BytesIO(s["text_emb.npy"]))
+        assert emb.shape == (12, 48)
+        np.testing.assert_allclose(emb.astype(np.float32), ref[j].numpy(), rtol=1e-3, atol=2e-3)
+        assert (np.load(io.BytesIO(s["text_mask.npy"])) == ref_mask[j].numpy()).all()
+        meta = json.loads(s["json"])["text_emb"]
+        assert meta["id"] == text_features_id(tower) and meta["config"]["hf_path"] == t5
+    assert precompute.main([*args[:-4], "--text-hf-path", str(tmp_path / "none")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+
+
+TOWER = ["--text-encoder", "--text-width", "32", "--text-layers", "1", "--text-heads", "2",
+         "--text-context-length", "16", "--text-layer-scale", "1e-3"]  # tests.conftest's tiny run's tower
+
+
+def test_training_takes_precomputed_text_features(synth_data, tmp_path):
+    """A run on shards with its own tower's precomputed features trains as one that runs the tower,
+    to float16 rounding of the features (losses within 1e-4 relative, but not equal: the stored rows
+    were used); features of another tower (another seed's) stop the run in one line, unless
+    data.text_features=false, which runs the tower as if they were absent."""
+    from tests.conftest import read_metrics, run_train
+    data, other = tmp_path / "data", tmp_path / "other"
+    for out, seed in ((data, "0"), (other, "5")):
+        assert precompute.main([os.path.join(synth_data, "train"), "--out", str(out / "train"), "--device", "cpu",
+                                "--no-progress", *TOWER, "--seed", seed]) == 0
+        os.symlink(os.path.join(synth_data, "heldout"), out / "heldout")
+    common = ["train.steps=3", "train.log_every=1", "sample.num=0", "optim.lr=1e-2", "optim.warmup_steps=1",
+              "data.micro_batch_size=8"]
+    run_train(str(tmp_path / "tower"), synth_data, *common)
+    run_train(str(tmp_path / "stored"), str(data), *common)
+    tower, stored = read_metrics(str(tmp_path / "tower")), read_metrics(str(tmp_path / "stored"))
+    assert sorted(tower) == sorted(stored) == [1, 2, 3]
+    for step in tower:
+        assert stored[step]["loss"] == pytest.approx(tower[step]["loss"], rel=1e-4), step
+    assert any(stored[s]["loss"] != tower[s]["loss"] for s in tower)
+    run_train(str(tmp_path / "off"), str(other), *common, "data.text_features=false")
+    off = read_metrics(str(tmp_path / "off"))  # the other tower's features ignored: the tower's run exactly
+    assert {s: r["loss"] for s, r in off.items()} == {s: r["loss"] for s, r in tower.items()}
+    proc = run_train(str(tmp_path / "refused"), str(other), *common, check=False)
+    assert proc.returncode != 0 and "another text tower" in proc.stderr and "Traceback" not in proc.stderr, \
+        proc.stderr[-2000:]

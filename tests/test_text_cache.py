@@ -125,3 +125,31 @@ print(tuple(tokens.shape), int(mask.sum()))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split("\n")[0].startswith("(2, 16, 32)"), proc.stdout
+
+
+def test_stored_rows_skip_the_tower_and_other_towers_features_are_refused():
+    """Rows with precomputed features (data.precompute) are taken as stored, the others go through
+    the tower (cached); features of another tower, or a trainable tower, stop the run in one line."""
+    import pytest
+
+    from common.data.shards import DataError
+    from common.nn.text_encoder import text_features_id
+    tower = _tower()
+    captions = ["a red circle", "", "a blue square"]
+    ref_ctx, ref_mask = tower(captions)
+    own = text_features_id(tower)
+    stored = [(ref_ctx[0].half().float(), ref_mask[0], own), None, (ref_ctx[2].half().float(), ref_mask[2], own)]
+    cache = CachedTextFeatures(tower)
+    ctx, mask = cache(captions, stored)
+    assert torch.equal(ctx[0], stored[0][0]) and torch.equal(ctx[2], stored[2][0])
+    torch.testing.assert_close(ctx[1], ref_ctx[1], rtol=1e-6, atol=1e-6)  # the empty caption: the tower's
+    assert torch.equal(mask, ref_mask)
+    assert (cache.misses, cache.stored) == (1, 2)
+    assert not torch.equal(ctx[0], ref_ctx[0])  # float16-rounded: the stored row was used, not recomputed
+    other = TextEncoder(TextEncoderConfig(width=32, layers=1, heads=2, context_length=16, layer_scale=1e-3))
+    assert text_features_id(other) != own  # another seed's random tower
+    with pytest.raises(DataError, match="another text tower"):
+        CachedTextFeatures(other)(captions, stored)
+    tower.tower.token_embedding.weight.requires_grad_(True)
+    with pytest.raises(DataError, match="data.text_features=false"):
+        CachedTextFeatures(tower)(captions, stored)

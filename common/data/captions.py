@@ -12,6 +12,23 @@ def caption_of(sample: dict) -> str:
     return caption.decode("utf-8").strip() if isinstance(caption, bytes) else str(caption)
 
 
+def precomputed_text_features(sample: dict):
+    """(tokens float32 (L, W), mask bool (L,), id of the tower that made them) from the sample's
+    text_emb.npy / text_mask.npy (python -m data.precompute --text-encoder), None without them."""
+    if "text_emb.npy" not in sample:
+        return None
+    import io
+
+    import numpy as np
+    import torch
+    meta = read_attributes(sample).get("text_emb") or {}
+    tokens = np.load(io.BytesIO(sample["text_emb.npy"]), allow_pickle=False)
+    mask = np.load(io.BytesIO(sample["text_mask.npy"]), allow_pickle=False)
+    if tokens.ndim != 2 or mask.shape != tokens.shape[:1]:
+        raise ValueError(f"text_emb.npy {tokens.shape} and text_mask.npy {mask.shape} do not match")
+    return torch.from_numpy(tokens.astype(np.float32)), torch.from_numpy(mask.astype(bool)), str(meta.get("id", ""))
+
+
 def read_attributes(sample: dict) -> dict:
     """The sample's `json` metadata (shape, colour, motion, size, ...), {} without one."""
     raw = sample.get("json")

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from common.data.captions import caption_of
+from common.data.captions import caption_of, precomputed_text_features
 
 IMAGE_EXTS = ("png", "jpg", "jpeg", "webp")
 
@@ -32,11 +32,13 @@ def open_rgb(raw: bytes) -> Image.Image:
 class ImageDecoder:
     """Picklable (loader workers receive it): image -> (3, S, S) float in [-1, 1] (scaled to
     cover, centre-cropped), caption str; `latent` instead of the image when use_latents and the
-    sample has a precomputed `latent.npy`."""
+    sample has a precomputed `latent.npy`; with text_features, `text_features`: the sample's
+    precomputed caption features or None (common.data.captions.precomputed_text_features)."""
 
-    def __init__(self, image_size: int, use_latents: bool = False):
+    def __init__(self, image_size: int, use_latents: bool = False, text_features: bool = False):
         self.image_size = image_size
         self.use_latents = use_latents
+        self.text_features = text_features
 
     def _image(self, raw: bytes) -> torch.Tensor:
         img = open_rgb(raw)
@@ -52,6 +54,8 @@ class ImageDecoder:
 
     def __call__(self, sample: dict) -> dict:
         out = {"caption": caption_of(sample)}
+        if self.text_features:
+            out["text_features"] = precomputed_text_features(sample)
         if self.use_latents and "latent.npy" in sample:
             out["latent"] = torch.from_numpy(np.load(io.BytesIO(sample["latent.npy"])).astype(np.float32))
             return out

@@ -42,7 +42,9 @@ class CachedTextFeatures:
     repeat, and starved the model. The result equals the tower's batched output to fp32
     rounding. A tower with a trainable parameter is called every time. Datasets whose captions
     rarely repeat gain nothing from the cache: precompute their text features instead
-    (python -m data.precompute)."""
+    (python -m data.precompute --text-encoder) and pass each row's stored features (`stored`):
+    those rows skip the tower, once the features are checked to come from this very tower
+    (text_features_id); they equal its output to float16 rounding."""
 
     def __init__(self, text_encoder, max_bytes: int = 256 << 20, encode_batch: int = 16):
         if encode_batch < 1:
@@ -50,12 +52,17 @@ class CachedTextFeatures:
         self.text_encoder, self.max_bytes, self.encode_batch = text_encoder, max_bytes, encode_batch
         self.rows: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self.bytes = 0
-        self.hits = self.misses = 0
+        self.hits = self.misses = self.stored = 0
+        self._id: str | None = None
 
     def _frozen(self) -> bool:
         return not any(p.requires_grad for p in self.text_encoder.parameters())
 
-    def __call__(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, captions: list[str], stored: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """stored[i]: (tokens, mask, id) precomputed for captions[i] (common.data.captions.
+        precomputed_text_features), or None: that row goes through the tower (or the cache)."""
+        if stored is not None and any(s is not None for s in stored):
+            return self._with_stored(captions, stored)
         if not self._frozen() or self.max_bytes <= 0:
             return self.text_encoder(captions)
         missing = list(dict.fromkeys(c for c in captions if c not in self.rows))
@@ -78,6 +85,31 @@ class CachedTextFeatures:
             self.bytes -= row.nbytes + m.nbytes
         return out
 
+    def _with_stored(self, captions: list[str], stored: list) -> tuple[torch.Tensor, torch.Tensor]:
+        from common.data.shards import DataError
+        from common.nn.text_encoder import text_features_id
+        if not self._frozen():
+            raise DataError("the shards hold precomputed text features, but this run trains its text tower: "
+                            "set data.text_features=false")
+        if self._id is None:
+            self._id = text_features_id(self.text_encoder)
+        for s in stored:
+            if s is not None and s[2] != self._id:
+                raise DataError(f"the shards' precomputed text features were made by another text tower (id "
+                                f"{s[2] or 'missing'}, this run's {self._id}): precompute them again with this run's "
+                                "text settings, or set data.text_features=false to run the tower")
+        rest = [i for i, s in enumerate(stored) if s is None]
+        ctx, mask = self([captions[i] for i in rest]) if rest else (None, None)
+        ref = ctx if ctx is not None else next(self.text_encoder.parameters())
+        rows, masks = [None] * len(captions), [None] * len(captions)
+        for j, i in enumerate(rest):
+            rows[i], masks[i] = ctx[j], mask[j]
+        for i, s in enumerate(stored):
+            if s is not None:
+                rows[i], masks[i] = s[0].to(ref.device, ref.dtype), s[1].to(ref.device)
+        self.stored += len(captions) - len(rest)
+        return torch.stack(rows), torch.stack(masks)
+
 
 def diffusion_step_fns(*, encode: Callable[[dict], torch.Tensor], tokens_of: Callable[[torch.Tensor], int],
                        text_encoder, objective, run_seed: int, cfg_dropout: float, device):
@@ -90,7 +122,10 @@ def diffusion_step_fns(*, encode: Callable[[dict], torch.Tensor], tokens_of: Cal
     @torch.no_grad()
     def prepare(batch):
         seeds = sample_seeds(run_seed, batch["__position__"])
-        context, mask = text_features(drop_captions(batch["caption"], seeds, cfg_dropout))
+        captions = drop_captions(batch["caption"], seeds, cfg_dropout)
+        # A dropped caption's row is the empty caption's features, from the tower (cached).
+        stored = [s if c else None for s, c in zip(batch.get("text_features") or [None] * len(captions), captions)]
+        context, mask = text_features(captions, stored)
         x0 = encode(batch)
         x_t, t, target = objective.training_example(x0, seeds, num_tokens=tokens_of(x0))
         return (x_t, t, context.to(device), mask.to(device)), target

@@ -320,6 +320,17 @@ def build_text_encoder(text_cfg, run_seed: int,
                                              layer_scale=text_cfg.layer_scale or None))
 
 
+def text_features_id(text_encoder) -> str:
+    """Which features a frozen tower gives a caption: its class, the fingerprint of its weights
+    (common.checkpoint.weights_fingerprint), its token count and whether it masks padding.
+    Precomputed features (python -m data.precompute --text-encoder) carry it; a run takes them
+    only from shards whose id is its own tower's."""
+    from common.checkpoint import weights_fingerprint
+    length = getattr(text_encoder, "context_length", None) or text_encoder.cfg.context_length
+    masked = int(getattr(text_encoder, "padding_mask", True))
+    return f"{type(text_encoder).__name__}-{weights_fingerprint(text_encoder)}-L{length}-mask{masked}"
+
+
 def text_signature(text_cfg) -> dict:
     """The `text` part of a checkpoint's signature: the tower's shape. The weights file is left
     out (its tensors are saved with the checkpoint), and so are an unset hf_path and the default

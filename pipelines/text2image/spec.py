@@ -25,7 +25,7 @@ def decoder(comp: components.Components) -> ImageDecoder:
     if cfg.data.buckets:
         raise ConfigError("data.buckets: text2image trains at one resolution (model.image_size); buckets are for "
                           "pipelines with variable shapes")
-    return ImageDecoder(cfg.model.image_size, use_latents=bool(cfg.vae.path))
+    return ImageDecoder(cfg.model.image_size, use_latents=bool(cfg.vae.path), text_features=cfg.data.text_features)
 
 
 def parallelize_diffusers_model(model: UNet | PixArt | SD3, cfg, info, *, microbatches: int = 1, criterion=None,

@@ -15,7 +15,7 @@ import io
 import numpy as np
 import torch
 
-from common.data.captions import caption_of
+from common.data.captions import caption_of, precomputed_text_features
 from common.data.images import IMAGE_EXTS, image_bytes
 from common.data.media import decode_video
 
@@ -30,10 +30,11 @@ class ClipDecoder:
     """Picklable (loader workers receive it). frames, size (int: square, or (h, w)): the clip
     shape the model trains on."""
 
-    def __init__(self, frames: int, size, source: str = "auto", images: bool = True):
+    def __init__(self, frames: int, size, source: str = "auto", images: bool = True, text_features: bool = False):
         if source not in ("auto", "mp4", "npy"):
             raise ValueError(f"source must be auto, mp4 or npy, got {source!r}")
         self.frames, self.size, self.source, self.images = frames, size, source, images
+        self.text_features = text_features  # also return the sample's precomputed caption features (or None)
 
     def _npy(self, raw: bytes, frames: int, size: tuple[int, int]) -> torch.Tensor:
         arr = np.load(io.BytesIO(raw), allow_pickle=False)
@@ -70,4 +71,7 @@ class ClipDecoder:
         else:
             wanted = {"auto": "npy or mp4", "mp4": "mp4", "npy": "npy"}[self.source]
             raise ValueError(f"sample has no video ({wanted})")
-        return {"video": video.permute(1, 0, 2, 3).contiguous(), "caption": text}
+        out = {"video": video.permute(1, 0, 2, 3).contiguous(), "caption": text}
+        if self.text_features:
+            out["text_features"] = precomputed_text_features(sample)
+        return out

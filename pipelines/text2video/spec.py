@@ -12,7 +12,8 @@ from pipelines.text2video.data import ClipDecoder
 
 def decoder(comp: components.Components) -> ClipDecoder:
     frames, *size = comp.pixel_clip_shape  # pixel clips: a VAE encodes them in prepare
-    return ClipDecoder(frames, tuple(size), comp.cfg.video.source, comp.cfg.video.images)
+    return ClipDecoder(frames, tuple(size), comp.cfg.video.source, comp.cfg.video.images,
+                       text_features=comp.cfg.data.text_features)
 
 
 def describe(comp: components.Components) -> str:
