@@ -332,6 +332,29 @@ def test_sd3_text_stack_encodes_as_diffusers_pipeline(sd3_stack_folder):
     assert got.std() > 1e-3
 
 
+def test_sd3_fine_tune_on_precomputed_stack_features(sd3_stack_folder, synth_data, tmp_path):
+    """data.precompute --text-hf-path = the SD3 folder stores the stack's features (pooled row,
+    CLIP and T5 tokens: 1 + 16 + CONTEXT rows), and an SD3 fine-tune on them trains as one that
+    runs the stack, to float16 rounding of the features."""
+    from data import precompute
+    from tests.conftest import read_metrics
+    data = tmp_path / "data"
+    assert precompute.main([os.path.join(synth_data, "train"), "--out", str(data / "train"), "--device", "cpu",
+                            "--no-progress", "--text-encoder", "--text-hf-path", sd3_stack_folder,
+                            "--text-context-length", str(CONTEXT)]) == 0
+    os.symlink(os.path.join(synth_data, "heldout"), data / "heldout")
+    losses = {}
+    for name, shards in (("stack", synth_data), ("stored", str(data))):
+        run = str(tmp_path / name)
+        run_checked(train_cmd() + [
+            "--config", TINY_YAML, f"run.dir={run}", f"data.train_shards={shards}/train",
+            f"data.eval_shards={shards}/heldout", *stack_overrides(sd3_stack_folder), "train.progress=false",
+            "data.num_workers=0", *FAST, "train.log_every=1"])
+        losses[name] = [r["loss"] for _, r in sorted(read_metrics(run).items())]
+    assert len(losses["stack"]) == 3 and losses["stored"] == pytest.approx(losses["stack"], rel=1e-4)
+    assert losses["stored"] != losses["stack"]  # float16 features: the stored rows were used
+
+
 def test_sd3_folder_pooled_width_needs_its_text_stack(sd3_stack_folder):
     """The same folder with a single tower (no SD3 stack): its 16-wide pooled projection cannot take
     the tower's mean, and the refusal says which text.hf_path gives SD3's pooled features. The
