@@ -259,7 +259,7 @@ class FrozenModules:
                 raise CheckpointError(
                     f"checkpoint {path} was trained with {name} weights from {then['folder']} (fingerprint "
                     f"{then['fingerprint']}); {now['folder']} now holds other weights (fingerprint "
-                    f"{now['fingerprint']}): put the original weights back, or start a new run")
+                    f"{now['fingerprint']}): put the weights it was trained on back in {now['folder']}")
 
 
 def _plain(state: dict) -> dict:
