@@ -177,6 +177,8 @@ class TextConfig:
     hf_padding_mask: bool = doc(True, "text.hf_path: run the encoder with the padding mask. False: on the padded ids "
                                       "unmasked, as Stable Diffusion 1.x / 2.x computed their CLIP features (their "
                                       "UNets learned the padding positions' features too)")
+    dtype: str = doc("fp32", "the frozen tower's weights and compute: fp32 | bf16 (half the memory: T5-XXL's ~19 GB "
+                             "become ~9.5 on every GPU; features rounded to bf16, handed on in fp32)")
 
 
 @dataclass

@@ -115,14 +115,17 @@ class Encoders:
             cfg = TextConfig(width=a.text_width, layers=a.text_layers, heads=a.text_heads,
                              context_length=a.text_context_length, weights=a.text_weights,
                              layer_scale=a.text_layer_scale, hf_path=a.text_hf_path,
-                             hf_padding_mask=not a.text_hf_no_padding_mask)
+                             hf_padding_mask=not a.text_hf_no_padding_mask, dtype=a.text_dtype)
             if cfg.hf_path and not os.path.isdir(cfg.hf_path):
                 raise UsageError(f"--text-hf-path {cfg.hf_path!r} is not a directory")
             try:
                 if cfg.hf_path:  # its width is the folder's, whatever --text-width says
-                    from common.nn.text_encoder import HFTextEncoder, SD3TextEncoders, is_sd3_text_folder
-                    self.text = (SD3TextEncoders(cfg.hf_path, cfg.context_length) if is_sd3_text_folder(cfg.hf_path)
-                                 else HFTextEncoder(cfg.hf_path, cfg.context_length, cfg.hf_padding_mask))
+                    from common.nn.text_encoder import (TEXT_DTYPES, HFTextEncoder, SD3TextEncoders,
+                                                        is_sd3_text_folder)
+                    dtype = TEXT_DTYPES[cfg.dtype]
+                    self.text = (SD3TextEncoders(cfg.hf_path, cfg.context_length, dtype)
+                                 if is_sd3_text_folder(cfg.hf_path)
+                                 else HFTextEncoder(cfg.hf_path, cfg.context_length, cfg.hf_padding_mask, dtype))
                     cfg.width = self.text.width
                 else:
                     self.text = build_text_encoder(cfg, a.seed)
@@ -350,6 +353,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="a local Hugging Face CLIP/T5 text encoder folder, or a Stable Diffusion 3 pipeline folder "
                    "(its CLIP-L + CLIP-G + T5 stack), as the run's text.hf_path; its width is the folder's and "
                    "--text-width/--text-layers/--text-heads are unused")
+    t.add_argument("--text-dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="the tower's weights and compute, as the run's text.dtype (default fp32)")
     t.add_argument("--text-hf-no-padding-mask", action="store_true",
                    help="as text.hf_padding_mask=false: the encoder runs on the padded ids unmasked (SD 1.x/2.x)")
     p.add_argument("--batch-size", type=int, default=32, help="samples per forward pass (default 32)")

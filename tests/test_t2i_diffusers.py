@@ -266,6 +266,46 @@ def test_hf_t5_text_encoder_trains_and_exports(synth_data, tmp_path):
                                                                   "run.resume=auto", check=False))
 
 
+def test_bf16_frozen_text_towers(synth_data, tmp_path):
+    """text.dtype=bf16 holds a frozen tower's weights in bf16 (half the bytes) and hands on fp32
+    features within bf16 rounding of the fp32 tower's (Hugging Face T5, open_clip); the checkpoint
+    signature names it only when not fp32 (older checkpoints still load); a run trains on it and
+    sample/eval reload it (its fingerprint is the bf16 weights')."""
+    from diffusers import DiffusionPipeline
+
+    from common.config import ConfigError, TextConfig
+    from common.nn.text_encoder import build_text_encoder, text_signature
+    from common.run import load_run
+    from pipelines.text2image.spec import SPEC
+    t5 = str(tmp_path / "t5")
+    make_t5(t5)
+    for kind in ({"hf_path": t5}, {"layers": 1, "heads": 2, "layer_scale": 1e-3}):
+        ref = build_text_encoder(TextConfig(width=32, context_length=16, **kind), run_seed=0)
+        half = build_text_encoder(TextConfig(width=32, context_length=16, dtype="bf16", **kind), run_seed=0)
+        assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
+        assert 2 * sum(p.nbytes for p in half.parameters()) == sum(p.nbytes for p in ref.parameters())
+        (a, mask), (b, half_mask) = ref(PROMPTS), half(PROMPTS)
+        assert b.dtype == torch.float32 and torch.equal(mask, half_mask)
+        rel = ((a - b).norm() / a.norm()).item()
+        assert 0 < rel < 2e-2, (kind, rel)  # bf16 keeps 8 bits of mantissa: ~0.4% per rounding
+    assert "dtype" not in text_signature(TextConfig()) and text_signature(TextConfig(dtype="bf16"))["dtype"] == "bf16"
+    with pytest.raises(ConfigError, match="text.dtype='fp16'"):
+        build_text_encoder(TextConfig(dtype="fp16"), run_seed=0)
+    run, out = str(tmp_path / "run"), str(tmp_path / "export")
+    run_train(run, synth_data, *FAST, f"text.hf_path={t5}", "text.dtype=bf16")
+    comp, _ = load_run(SPEC, run)
+    assert next(comp.text_encoder.parameters()).dtype == torch.bfloat16
+    # Exported in fp32 (the bf16 values), so that the pipeline holds one dtype and samples.
+    proc = run_module("pipelines.text2image.export", "--run", run, "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pipe = DiffusionPipeline.from_pretrained(out, trust_remote_code=True)
+    assert pipe.text_encoder.dtype == torch.float32
+    weight = next(pipe.text_encoder.parameters())
+    assert torch.equal(weight, weight.bfloat16().float())
+    images = pipe(PROMPTS, num_inference_steps=2, guidance_scale=CFG, seed=SEEDS[0], output_type="pt").images
+    assert images.shape == (2, 3, 32, 32) and images.isfinite().all()
+
+
 def assert_tower_fingerprinted_not_saved(run: str, ckpt: str, folder: str, tower, resume) -> None:
     """The checkpoint holds no tensor of the folder's text tower, only its fingerprint; once the
     folder's weights change, sample/eval/export (load_run) and resume refuse in one line."""

@@ -332,6 +332,20 @@ def test_sd3_text_stack_encodes_as_diffusers_pipeline(sd3_stack_folder):
     assert got.std() > 1e-3
 
 
+def test_sd3_text_stack_in_bf16(sd3_stack_folder):
+    """text.dtype=bf16: the stack's three encoders hold bf16 weights and give fp32 features within
+    bf16 rounding of the fp32 stack's, the pooled row's zero padding kept."""
+    from common.config import TextConfig
+    from common.nn.text_encoder import build_text_encoder
+    cfg = dict(width=32, context_length=CONTEXT, hf_path=sd3_stack_folder)
+    ref = build_text_encoder(TextConfig(**cfg), run_seed=0, sd3_stack=True)
+    half = build_text_encoder(TextConfig(**cfg, dtype="bf16"), run_seed=0, sd3_stack=True)
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
+    (a, _), (b, mask) = ref(PROMPTS), half(PROMPTS)
+    assert b.dtype == torch.float32 and b.shape == a.shape and mask.all()
+    assert 0 < ((a - b).norm() / a.norm()).item() < 2e-2 and not b[:, 0, 16:].any()
+
+
 def test_sd3_fine_tune_on_precomputed_stack_features(sd3_stack_folder, synth_data, tmp_path):
     """data.precompute --text-hf-path = the SD3 folder stores the stack's features (pooled row,
     CLIP and T5 tokens: 1 + 16 + CONTEXT rows), and an SD3 fine-tune on them trains as one that

@@ -95,6 +95,10 @@ def export_main(argv, *, prog: str, doc: str, load_spec: Callable, build_pipelin
     has_ema = checkpoint_has_ema(ckpt)
     use_ema = args.weights == "ema" and has_ema
     comp, meta = load_run(load_spec(), args.run, ckpt, use_ema=use_ema)
+    if getattr(comp, "text_encoder", None) is not None:
+        # A tower held in bf16 for training (text.dtype) is written in fp32 like every other part:
+        # a pipeline loaded without torch_dtype must hold one dtype. Its values stay the bf16 ones.
+        comp.text_encoder.float()
     weights = describe_weights(use_ema, has_ema, comp.cfg.train.ema_decay)
     pipe = build_pipeline(comp, **{name: getattr(args, name) for name in option_names})
     with open(os.path.join(args.run, "config.yaml")) as f:

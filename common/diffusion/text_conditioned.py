@@ -100,13 +100,13 @@ class CachedTextFeatures:
                                 "text settings, or set data.text_features=false to run the tower")
         rest = [i for i, s in enumerate(stored) if s is None]
         ctx, mask = self([captions[i] for i in rest]) if rest else (None, None)
-        ref = ctx if ctx is not None else next(self.text_encoder.parameters())
+        device = (ctx if ctx is not None else next(self.text_encoder.parameters())).device
         rows, masks = [None] * len(captions), [None] * len(captions)
         for j, i in enumerate(rest):
             rows[i], masks[i] = ctx[j], mask[j]
         for i, s in enumerate(stored):
-            if s is not None:
-                rows[i], masks[i] = s[0].to(ref.device, ref.dtype), s[1].to(ref.device)
+            if s is not None:  # float32, as the towers return their features
+                rows[i], masks[i] = s[0].to(device), s[1].to(device)
         self.stored += len(captions) - len(rest)
         return torch.stack(rows), torch.stack(masks)
 

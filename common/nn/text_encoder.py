@@ -106,10 +106,10 @@ class TextEncoder(nn.Module):
 
     @torch.no_grad()
     def forward(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (tokens (B, L, width), key_padding_mask (B, L) bool, True = real token incl. SOT/EOT)."""
+        """-> (tokens (B, L, width) fp32, key_padding_mask (B, L) bool, True = real token incl. SOT/EOT)."""
         ids = self.tokenize(texts).to(self.tower.token_embedding.weight.device)
         _, tokens = self.tower(ids)
-        return tokens, ids != 0  # SimpleTokenizer pads with id 0
+        return tokens.float(), ids != 0  # SimpleTokenizer pads with id 0
 
 
 # transformers model_type -> the encoder-only class that reads it (a full CLIPModel folder loads
@@ -153,7 +153,7 @@ class HFTextEncoder(nn.Module):
     (or a `tokenizer` folder beside it), behind TextEncoder's interface. Its weights are those of
     the folder: checkpoints record their fingerprint, not the weights (common.checkpoint.FrozenModules)."""
 
-    def __init__(self, path: str, context_length: int, padding_mask: bool = True):
+    def __init__(self, path: str, context_length: int, padding_mask: bool = True, dtype: torch.dtype = torch.float32):
         super().__init__()
         import os
 
@@ -167,8 +167,8 @@ class HFTextEncoder(nn.Module):
         if cls_name is None:
             raise ConfigError(f"text.hf_path={path!r} holds a {config.model_type!r} model; supported text encoders: "
                               f"{', '.join(sorted(_HF_TEXT_MODELS))}")
-        # fp32 whatever the folder's dtype (the pipeline's precision policy casts activations).
-        self.model = getattr(transformers, cls_name).from_pretrained(path, local_files_only=True, dtype=torch.float32,
+        # `dtype` (text.dtype) whatever the folder's (the pipeline's precision policy casts activations).
+        self.model = getattr(transformers, cls_name).from_pretrained(path, local_files_only=True, dtype=dtype,
                                                                      variant=weights_variant(path))
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(hf_tokenizer_dir(path), local_files_only=True)
         limit = getattr(self.model.config, "max_position_embeddings", None)  # CLIP: learned positions
@@ -195,8 +195,9 @@ class HFTextEncoder(nn.Module):
 
     @torch.no_grad()
     def forward(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (tokens (B, L, width), key_padding_mask (B, L) bool, True = real token incl. BOS/EOS)."""
-        return hf_text_features(self.model, self.tokenizer, texts, self.context_length, self.padding_mask)
+        """-> (tokens (B, L, width) fp32, key_padding_mask (B, L) bool, True = real token incl. BOS/EOS)."""
+        tokens, mask = hf_text_features(self.model, self.tokenizer, texts, self.context_length, self.padding_mask)
+        return tokens.float(), mask
 
 
 def is_sd3_text_folder(path: str) -> bool:
@@ -226,7 +227,7 @@ class SD3TextEncoders(nn.Module):
 
     padding_mask = False  # every position is attended, padding included, as SD3 was trained
 
-    def __init__(self, path: str, context_length: int):
+    def __init__(self, path: str, context_length: int, dtype: torch.dtype = torch.float32):
         super().__init__()
         import os
 
@@ -239,7 +240,7 @@ class SD3TextEncoders(nn.Module):
             if not os.path.isfile(os.path.join(folder, "config.json")):
                 raise ConfigError(f"text.hf_path={path!r}: no {sub}/config.json (SD3's text stack needs "
                                   "text_encoder/, text_encoder_2/ and text_encoder_3/ with their tokenizers)")
-            model = getattr(transformers, cls_name).from_pretrained(folder, local_files_only=True, dtype=torch.float32,
+            model = getattr(transformers, cls_name).from_pretrained(folder, local_files_only=True, dtype=dtype,
                                                                     variant=weights_variant(folder))
             tok_dir = os.path.join(path, sub.replace("text_encoder", "tokenizer"))
             return model, transformers.AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
@@ -287,8 +288,11 @@ class SD3TextEncoders(nn.Module):
                           add_special_tokens=True, return_tensors="pt").input_ids.to(device)
         t5 = self.t5(ids).last_hidden_state
         pad = lambda x: nn.functional.pad(x, (0, self.width - x.shape[-1]))  # noqa: E731
-        tokens = torch.cat([pad(torch.cat(pooled, -1)).unsqueeze(1), pad(clip), t5], 1)
+        tokens = torch.cat([pad(torch.cat(pooled, -1)).unsqueeze(1), pad(clip), t5], 1).float()
         return tokens, torch.ones(tokens.shape[:2], dtype=torch.bool, device=device)
+
+
+TEXT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # text.dtype: a frozen tower's weights
 
 
 def build_text_encoder(text_cfg, run_seed: int,
@@ -297,17 +301,21 @@ def build_text_encoder(text_cfg, run_seed: int,
     Face encoder of text.hf_path (SD3's three encoders when it is an SD3 pipeline folder, for a
     caller whose model reads their pooled row: sd3_stack), else open_clip's seeded from the run
     seed apart from the global RNG (which it leaves untouched)."""
+    from common.config import ConfigError
     from common.diffusion.noise import mix_seed
+    dtype = TEXT_DTYPES.get(getattr(text_cfg, "dtype", "fp32"))
+    if dtype is None:
+        raise ConfigError(f"text.dtype={text_cfg.dtype!r}: choose one of {', '.join(TEXT_DTYPES)}")
     if getattr(text_cfg, "hf_path", ""):
-        from common.config import ConfigError
         if is_sd3_text_folder(text_cfg.hf_path):
             if not sd3_stack:
                 raise ConfigError(f"text.hf_path={text_cfg.hf_path} is a Stable Diffusion 3 pipeline folder: its three "
                                   "text encoders feed an SD3 transformer only (text2image model.arch=sd3); for another "
                                   "model point text.hf_path at one of them, e.g. its text_encoder_3/ (T5)")
-            enc = SD3TextEncoders(text_cfg.hf_path, text_cfg.context_length)
+            enc = SD3TextEncoders(text_cfg.hf_path, text_cfg.context_length, dtype)
         else:
-            enc = HFTextEncoder(text_cfg.hf_path, text_cfg.context_length, getattr(text_cfg, "hf_padding_mask", True))
+            enc = HFTextEncoder(text_cfg.hf_path, text_cfg.context_length, getattr(text_cfg, "hf_padding_mask", True),
+                                dtype)
         if enc.width != text_cfg.width:
             raise ConfigError(f"text.width={text_cfg.width} but the text encoder at {text_cfg.hf_path} has width "
                               f"{enc.width}; set text.width={enc.width}")
@@ -317,7 +325,7 @@ def build_text_encoder(text_cfg, run_seed: int,
         return TextEncoder(TextEncoderConfig(width=text_cfg.width, layers=text_cfg.layers, heads=text_cfg.heads,
                                              context_length=text_cfg.context_length,
                                              weights=text_cfg.weights or None,
-                                             layer_scale=text_cfg.layer_scale or None))
+                                             layer_scale=text_cfg.layer_scale or None)).to(dtype)
 
 
 def text_features_id(text_encoder) -> str:
@@ -334,7 +342,8 @@ def text_features_id(text_encoder) -> str:
 def text_signature(text_cfg) -> dict:
     """The `text` part of a checkpoint's signature: the tower's shape. The weights file is left
     out (its tensors are saved with the checkpoint), and so are an unset hf_path and the default
-    hf_padding_mask, so that checkpoints written before those fields existed still load."""
+    hf_padding_mask and dtype, so that checkpoints written before those fields existed still load."""
     import dataclasses
     return {k: v for k, v in dataclasses.asdict(text_cfg).items()
-            if k != "weights" and not (k == "hf_path" and not v) and not (k == "hf_padding_mask" and v)}
+            if k != "weights" and not (k == "hf_path" and not v) and not (k == "hf_padding_mask" and v)
+            and not (k == "dtype" and v == "fp32")}
