@@ -109,6 +109,7 @@ def test_sd3_finetune_config_is_sd3_fine_tuning():
     cfg = build_config(T2IConfig, os.path.join(ROOT, "pipelines/text2image/configs/sd3_finetune.yaml"), [])
     assert (cfg.model.arch, cfg.model.preset, cfg.text.width, cfg.text.context_length) == ("sd3", "folder", 4096, 256)
     assert cfg.text.hf_path == cfg.model.init_from  # the pipeline folder: its three encoders
+    assert cfg.text.dtype == "bf16"  # the frozen encoders in bf16, as diffusers' SD3 training holds them
     objective = objective_from_config(cfg.diffusion)
     assert isinstance(objective, RectifiedFlow) and objective.shift_for(4096) == objective.shift_for(256) == 3.0
 
@@ -124,7 +125,7 @@ def test_pixart_finetune_config_is_pixart_fine_tuning():
     from tests.conftest import ROOT
     cfg = build_config(T2IConfig, os.path.join(ROOT, "pipelines/text2image/configs/pixart_finetune.yaml"), [])
     assert (cfg.model.arch, cfg.model.preset, cfg.text.width, cfg.text.context_length) == ("pixart", "folder", 4096, 120)
-    assert cfg.text.hf_padding_mask
+    assert cfg.text.hf_padding_mask and cfg.text.dtype == "bf16"
     objective = objective_from_config(cfg.diffusion)
     assert isinstance(objective, DDPM) and objective.prediction == "eps"
     assert abs(objective.betas[0].item() - 1e-4) < 1e-12 and abs(objective.betas[-1].item() - 0.02) < 1e-12
