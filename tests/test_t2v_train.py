@@ -229,6 +229,27 @@ def test_resume_after_kill_is_exact(video_data, tmp_path):
         assert a[step]["grad_norm"] == b[step]["grad_norm"], step
 
 
+def test_trains_on_precomputed_text_features(video_data, tmp_path):
+    """text2video takes the clips' precomputed caption features (data.precompute --text-encoder,
+    the tiny run's tower): 3 steps' losses equal the tower's run to float16 rounding of the
+    features, and not bitwise (the stored rows were used)."""
+    from data import precompute
+    data = tmp_path / "data"
+    assert precompute.main([os.path.join(video_data, "train"), "--out", str(data / "train"), "--device", "cpu",
+                            "--no-progress", "--text-encoder", "--text-width", "32", "--text-layers", "1",
+                            "--text-heads", "2", "--text-context-length", "16", "--text-layer-scale", "1e-3"]) == 0
+    os.symlink(os.path.join(video_data, "heldout"), data / "heldout")
+    common = ["train.steps=3", "train.log_every=1", "train.sample_every=0", "sample.num=0", "data.micro_batch_size=4",
+              "optim.lr=1e-2", "optim.warmup_steps=1"]
+    run_t2v(str(tmp_path / "tower"), video_data, *common)
+    run_t2v(str(tmp_path / "stored"), str(data), *common)
+    tower, stored = read_metrics(str(tmp_path / "tower")), read_metrics(str(tmp_path / "stored"))
+    assert sorted(tower) == sorted(stored) == [1, 2, 3]
+    for step in tower:
+        assert stored[step]["loss"] == pytest.approx(tower[step]["loss"], rel=1e-4), step
+    assert any(stored[s]["loss"] != tower[s]["loss"] for s in tower)
+
+
 @pytest.mark.slow
 def test_corrupt_clip_is_skipped_and_counted(video_data, tmp_path):
     import webdataset as wds
