@@ -129,3 +129,10 @@ def test_folder_loaded_frozen_module_is_fingerprinted_not_saved(tmp_path):
         FrozenModules({"text_encoder": tower}).check(path, meta)
     assert meta["frozen_folders"]["text_encoder"]["fingerprint"] in str(e.value) and "\n" not in str(e.value)
     FrozenModules({"text_encoder": tower}).check(path, {})  # written before fingerprints: passes
+    # A checkpoint of that time saved the tower's tensors: it loads, and the folder's tower is kept.
+    from common.checkpoint import load_for_inference
+    old = mgr.save(2, m, opt, {"text_encoder": dict(random_tower.state_dict())}, {})
+    m2, kept = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)), tower.weight.clone()
+    load_for_inference(old, m2, {"text_encoder": tower}, {"model": "a"}, use_ema=False)
+    assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), m2.state_dict().values()))
+    assert torch.equal(tower.weight, kept)
