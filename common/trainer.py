@@ -22,10 +22,11 @@ from typing import Any, Callable
 import torch
 
 from common import dist as mdist
-from common.checkpoint import CheckpointManager, FrozenModules, latest_complete
+from common.checkpoint import CheckpointManager, latest_complete
 from common.config import to_yaml
 from common.ema import EMA
 from common.faults import CheckpointInterval, FaultInjector, HangWatchdog, StragglerMonitor, interval_message
+from common.frozen_weights import FrozenModules
 from common.metrics import InputWait, MetricsLogger, StepProfiler, memory_stats, resolve_peak
 from common.optim import build_optimizer, lr_at
 from common.parallel.grads import clip_grads

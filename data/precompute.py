@@ -120,12 +120,8 @@ class Encoders:
                 raise UsageError(f"--text-hf-path {cfg.hf_path!r} is not a directory")
             try:
                 if cfg.hf_path:  # its width is the folder's, whatever --text-width says
-                    from common.nn.text_encoder import (TEXT_DTYPES, HFTextEncoder, SD3TextEncoders,
-                                                        is_sd3_text_folder)
-                    dtype = TEXT_DTYPES[cfg.dtype]
-                    self.text = (SD3TextEncoders(cfg.hf_path, cfg.context_length, dtype)
-                                 if is_sd3_text_folder(cfg.hf_path)
-                                 else HFTextEncoder(cfg.hf_path, cfg.context_length, cfg.hf_padding_mask, dtype))
+                    from common.nn.text_encoder import TEXT_DTYPES, folder_text_encoder
+                    self.text = folder_text_encoder(cfg, TEXT_DTYPES[cfg.dtype])
                     cfg.width = self.text.width
                 else:
                     self.text = build_text_encoder(cfg, a.seed)

@@ -129,6 +129,17 @@ def assert_same_training(ref_run: str, run: str, steps) -> None:
         assert par[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-5), (step, par[step], ref[step])
 
 
+def assert_same_losses_to_rounding(ref_run: str, run: str, steps, rel: float = 1e-4) -> None:
+    """`run` logged exactly `steps`, each step's loss within `rel` of `ref_run`'s, and not all
+    bitwise equal: the runs took different roundings of the same inputs (features stored in
+    float16 against the tower's), so a run that ignored its stored inputs fails here."""
+    ref, got = read_metrics(ref_run), read_metrics(run)
+    assert sorted(ref) == sorted(got) == list(steps)
+    for step in steps:
+        assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=rel), step
+    assert any(got[s]["loss"] != ref[s]["loss"] for s in steps)
+
+
 def file_tree(d: str) -> dict[str, bytes]:
     """{relative path: bytes} of every file under d (byte-identity checks of generated datasets)."""
     out = {}

@@ -77,7 +77,7 @@ def test_weights_fingerprint_sees_one_ulp_and_nothing_else():
     """The fingerprint of a folder-loaded frozen module: equal for an equal copy (other thread
     count, other parameter order), different after one value moves by one ulp, after two tensors
     swap, or when a value changes dtype."""
-    from common.checkpoint import weights_fingerprint
+    from common.frozen_weights import weights_fingerprint
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
     fp = weights_fingerprint(m)
@@ -106,7 +106,8 @@ def test_folder_loaded_frozen_module_is_fingerprinted_not_saved(tmp_path):
     module without the attribute is saved and restored."""
     import torch.distributed.checkpoint as dcp
 
-    from common.checkpoint import FrozenModules, read_meta
+    from common.checkpoint import read_meta
+    from common.frozen_weights import FrozenModules
 
     class FromFolder(torch.nn.Linear):
         weights_folder = "/models/t5"

@@ -196,7 +196,7 @@ def test_training_takes_precomputed_text_features(synth_data, tmp_path):
     to float16 rounding of the features (losses within 1e-4 relative, but not equal: the stored rows
     were used); features of another tower (another seed's) stop the run in one line, unless
     data.text_features=false, which runs the tower as if they were absent."""
-    from tests.conftest import read_metrics, run_train
+    from tests.conftest import assert_same_losses_to_rounding, read_metrics, run_train
     data, other = tmp_path / "data", tmp_path / "other"
     for out, seed in ((data, "0"), (other, "5")):
         assert precompute.main([os.path.join(synth_data, "train"), "--out", str(out / "train"), "--device", "cpu",
@@ -206,11 +206,8 @@ def test_training_takes_precomputed_text_features(synth_data, tmp_path):
               "data.micro_batch_size=8"]
     run_train(str(tmp_path / "tower"), synth_data, *common)
     run_train(str(tmp_path / "stored"), str(data), *common)
-    tower, stored = read_metrics(str(tmp_path / "tower")), read_metrics(str(tmp_path / "stored"))
-    assert sorted(tower) == sorted(stored) == [1, 2, 3]
-    for step in tower:
-        assert stored[step]["loss"] == pytest.approx(tower[step]["loss"], rel=1e-4), step
-    assert any(stored[s]["loss"] != tower[s]["loss"] for s in tower)
+    assert_same_losses_to_rounding(str(tmp_path / "tower"), str(tmp_path / "stored"), [1, 2, 3])
+    tower = read_metrics(str(tmp_path / "tower"))
     run_train(str(tmp_path / "off"), str(other), *common, "data.text_features=false")
     off = read_metrics(str(tmp_path / "off"))  # the other tower's features ignored: the tower's run exactly
     assert {s: r["loss"] for s, r in off.items()} == {s: r["loss"] for s, r in tower.items()}

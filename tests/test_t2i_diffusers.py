@@ -312,7 +312,8 @@ def assert_tower_fingerprinted_not_saved(run: str, ckpt: str, folder: str, tower
     import torch.distributed.checkpoint as dcp
     import transformers
 
-    from common.checkpoint import CheckpointError, read_meta, weights_fingerprint
+    from common.checkpoint import CheckpointError, read_meta
+    from common.frozen_weights import weights_fingerprint
     from common.run import load_run
     from pipelines.text2image.spec import SPEC
     keys = dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata

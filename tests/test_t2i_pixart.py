@@ -327,8 +327,13 @@ def single_pixart_run(synth_data, tmp_path_factory):
 def test_data_parallel_matches_single_process(single_pixart_run, synth_data, tmp_path, layout):
     """DDP, and FSDP2 over PixArt's blocks with full activation checkpointing, 2 ranks, equal one
     process: losses and grad norms per step, final weights and EMA weights."""
+    assert_layout_trains_as_one_process("pixart", single_pixart_run, synth_data, str(tmp_path / "run"), layout)
+
+
+def assert_layout_trains_as_one_process(arch: str, single_run: str, data_dir: str, run: str, layout: str) -> None:
+    """A 2-rank run of model.arch=`arch` under LAYOUTS[layout] logs the losses and grad norms of
+    `single_run` (one process) and ends with its weights and EMA weights (the transformer blocks)."""
     from pipelines.text2image.spec import SPEC
-    par = str(tmp_path / "run")
-    run_transformer("pixart", par, synth_data, *LAYOUTS[layout], nproc=2)
-    assert_same_training(single_pixart_run, par, range(1, STEPS_DP + 1))
-    assert_same_final_weights(SPEC, single_pixart_run, par, STEPS_DP, prefix="transformer.transformer_blocks.")
+    run_transformer(arch, run, data_dir, *LAYOUTS[layout], nproc=2)
+    assert_same_training(single_run, run, range(1, STEPS_DP + 1))
+    assert_same_final_weights(SPEC, single_run, run, STEPS_DP, prefix="transformer.transformer_blocks.")

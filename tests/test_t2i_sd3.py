@@ -19,10 +19,9 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.conftest import (ROOT, assert_same_final_weights, assert_same_training, run_checked, run_module,
-                            shared_once, train_cmd)
+from tests.conftest import ROOT, assert_same_losses_to_rounding, run_checked, run_module, shared_once, train_cmd
 from tests.test_t2i_diffusers import CFG, FAST, PROMPTS, SEEDS, STEPS, ours
-from tests.test_t2i_pixart import LAYOUTS, STEPS_DP, run_transformer
+from tests.test_t2i_pixart import LAYOUTS, assert_layout_trains_as_one_process, run_transformer
 
 TINY_YAML = os.path.join(ROOT, "pipelines/text2image/configs/tiny.yaml")
 WIDTH = 128  # tiny.yaml's text.width: the folder's caption and pooled widths
@@ -351,22 +350,17 @@ def test_sd3_fine_tune_on_precomputed_stack_features(sd3_stack_folder, synth_dat
     CLIP and T5 tokens: 1 + 16 + CONTEXT rows), and an SD3 fine-tune on them trains as one that
     runs the stack, to float16 rounding of the features."""
     from data import precompute
-    from tests.conftest import read_metrics
     data = tmp_path / "data"
     assert precompute.main([os.path.join(synth_data, "train"), "--out", str(data / "train"), "--device", "cpu",
                             "--no-progress", "--text-encoder", "--text-hf-path", sd3_stack_folder,
                             "--text-context-length", str(CONTEXT)]) == 0
     os.symlink(os.path.join(synth_data, "heldout"), data / "heldout")
-    losses = {}
     for name, shards in (("stack", synth_data), ("stored", str(data))):
-        run = str(tmp_path / name)
         run_checked(train_cmd() + [
-            "--config", TINY_YAML, f"run.dir={run}", f"data.train_shards={shards}/train",
+            "--config", TINY_YAML, f"run.dir={tmp_path / name}", f"data.train_shards={shards}/train",
             f"data.eval_shards={shards}/heldout", *stack_overrides(sd3_stack_folder), "train.progress=false",
             "data.num_workers=0", *FAST, "train.log_every=1"])
-        losses[name] = [r["loss"] for _, r in sorted(read_metrics(run).items())]
-    assert len(losses["stack"]) == 3 and losses["stored"] == pytest.approx(losses["stack"], rel=1e-4)
-    assert losses["stored"] != losses["stack"]  # float16 features: the stored rows were used
+    assert_same_losses_to_rounding(str(tmp_path / "stack"), str(tmp_path / "stored"), [1, 2, 3])
 
 
 def test_sd3_folder_pooled_width_needs_its_text_stack(sd3_stack_folder):
@@ -488,8 +482,4 @@ def single_sd3_run(synth_data, tmp_path_factory):
 def test_data_parallel_matches_single_process(single_sd3_run, synth_data, tmp_path, layout):
     """DDP, and FSDP2 over SD3's joint blocks with full activation checkpointing, 2 ranks, equal one
     process: losses and grad norms per step, final weights and EMA weights."""
-    from pipelines.text2image.spec import SPEC
-    par = str(tmp_path / "run")
-    run_transformer("sd3", par, synth_data, *LAYOUTS[layout], nproc=2)
-    assert_same_training(single_sd3_run, par, range(1, STEPS_DP + 1))
-    assert_same_final_weights(SPEC, single_sd3_run, par, STEPS_DP, prefix="transformer.transformer_blocks.")
+    assert_layout_trains_as_one_process("sd3", single_sd3_run, synth_data, str(tmp_path / "run"), layout)

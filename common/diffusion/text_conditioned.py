@@ -181,7 +181,7 @@ class TextDiffusionComponents:
     @property
     def frozen(self) -> dict:
         """Frozen modules of checkpoints (the VAE is not one: run.vae.path names it; a text tower
-        loaded from text.hf_path is fingerprinted, not saved: common.checkpoint.FrozenModules)."""
+        loaded from text.hf_path is fingerprinted, not saved: common.frozen_weights.FrozenModules)."""
         return {"text_encoder": self.text_encoder}
 
     def to(self, device) -> None:

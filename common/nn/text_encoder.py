@@ -57,7 +57,29 @@ class TextEncoderConfig:
     layer_scale: float | None = None
 
 
-class TextEncoder(nn.Module):
+class FrozenTower(nn.Module):
+    """A text tower that never trains: no gradients, and always in eval mode (no dropout)."""
+
+    def freeze(self) -> None:
+        self.requires_grad_(False)
+        self.eval()
+
+    def train(self, mode: bool = True):
+        return super().train(False)
+
+
+class FolderTower(FrozenTower):
+    """A frozen tower whose weights are those of the local folder `path`: checkpoints record their
+    fingerprint, not the weights (common.frozen_weights.FrozenModules reads `weights_folder`)."""
+
+    path: str
+
+    @property
+    def weights_folder(self) -> str:
+        return self.path
+
+
+class TextEncoder(FrozenTower):
     """Frozen open_clip TextTransformer returning per-token features for cross-attention.
 
     Built with open_clip's own `_build_text_tower` (causal CLIP text transformer, BPE tokenizer
@@ -79,8 +101,7 @@ class TextEncoder(nn.Module):
         self.tokenizer = SimpleTokenizer(context_length=cfg.context_length)
         if cfg.weights:
             self.load_weights(cfg.weights)
-        self.requires_grad_(False)
-        self.eval()
+        self.freeze()
 
     @property
     def width(self) -> int:
@@ -97,9 +118,6 @@ class TextEncoder(nn.Module):
         if missing:
             raise KeyError(f"text encoder weights {path} lack keys: {missing[:5]}...")
         self.tower.load_state_dict({k: sd[k] for k in own})
-
-    def train(self, mode: bool = True):
-        return super().train(False)  # frozen: never leave eval mode (no dropout)
 
     def tokenize(self, texts: list[str]) -> torch.Tensor:
         return self.tokenizer(list(texts))
@@ -148,10 +166,9 @@ def hf_text_features(model, tokenizer, texts: list[str], context_length: int,
     return tokens, mask.bool()
 
 
-class HFTextEncoder(nn.Module):
+class HFTextEncoder(FolderTower):
     """A frozen transformers CLIP or T5 text encoder and the tokenizer from the same local folder
-    (or a `tokenizer` folder beside it), behind TextEncoder's interface. Its weights are those of
-    the folder: checkpoints record their fingerprint, not the weights (common.checkpoint.FrozenModules)."""
+    (or a `tokenizer` folder beside it), behind TextEncoder's interface."""
 
     def __init__(self, path: str, context_length: int, padding_mask: bool = True, dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -176,19 +193,11 @@ class HFTextEncoder(nn.Module):
             raise ConfigError(f"text.context_length={context_length} exceeds the {limit} positions of the text encoder "
                               f"at {path}")
         self.path, self.context_length, self.padding_mask = path, context_length, padding_mask
-        self.requires_grad_(False)
-        self.eval()
-
-    @property
-    def weights_folder(self) -> str:
-        return self.path
+        self.freeze()
 
     @property
     def width(self) -> int:
         return self.model.config.hidden_size  # T5: alias of d_model
-
-    def train(self, mode: bool = True):
-        return super().train(False)  # frozen: never leave eval mode (no dropout)
 
     def tokenize(self, texts: list[str]) -> torch.Tensor:
         return hf_tokenize(self.tokenizer, texts, self.context_length)["input_ids"]
@@ -213,7 +222,7 @@ def is_sd3_text_folder(path: str) -> bool:
     return all(k in held for k in ("text_encoder", "text_encoder_2", "text_encoder_3"))
 
 
-class SD3TextEncoders(nn.Module):
+class SD3TextEncoders(FolderTower):
     """Stable Diffusion 3's frozen text stack from its local pipeline folder, encoding a caption as
     diffusers' StableDiffusion3Pipeline does: CLIP-L (text_encoder/) and CLIP-G (text_encoder_2/),
     each on the caption padded to its tokenizer's length (77), give their penultimate hidden
@@ -222,8 +231,8 @@ class SD3TextEncoders(nn.Module):
     last hidden state on the caption padded to text.context_length (SD3: 256). Behind TextEncoder's
     interface, forward(texts) -> (tokens (B, 1 + 77 + context_length, width), mask all True: SD3
     attends to every position): row 0 holds the pooled vector (its first `pooled_width` features,
-    zeros after), then the CLIP tokens, then the T5 tokens. Weights are the folder's: checkpoints
-    record their fingerprint, not the ~22 GB of weights (common.checkpoint.FrozenModules)."""
+    zeros after), then the CLIP tokens, then the T5 tokens. Weights are the folder's (~22 GB in
+    fp32, which checkpoints do not copy: FolderTower)."""
 
     padding_mask = False  # every position is attended, padding included, as SD3 was trained
 
@@ -255,12 +264,7 @@ class SD3TextEncoders(nn.Module):
             raise ConfigError(f"text.hf_path={path!r}: CLIP features of width {clip_width} (pooled "
                               f"{self.pooled_width}) do not fit T5's width {self.width}")
         self.path, self.context_length = path, context_length
-        self.requires_grad_(False)
-        self.eval()
-
-    @property
-    def weights_folder(self) -> str:
-        return self.path
+        self.freeze()
 
     @property
     def width(self) -> int:
@@ -269,9 +273,6 @@ class SD3TextEncoders(nn.Module):
     @property
     def num_positions(self) -> int:
         return 1 + self.clip_length + self.context_length
-
-    def train(self, mode: bool = True):
-        return super().train(False)  # frozen: never leave eval mode (no dropout)
 
     @torch.no_grad()
     def forward(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -295,6 +296,14 @@ class SD3TextEncoders(nn.Module):
 TEXT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # text.dtype: a frozen tower's weights
 
 
+def folder_text_encoder(text_cfg, dtype: torch.dtype) -> HFTextEncoder | SD3TextEncoders:
+    """The tower of text.hf_path at its own width: SD3's three encoders for an SD3 pipeline folder,
+    else the folder's CLIP or T5 encoder."""
+    if is_sd3_text_folder(text_cfg.hf_path):
+        return SD3TextEncoders(text_cfg.hf_path, text_cfg.context_length, dtype)
+    return HFTextEncoder(text_cfg.hf_path, text_cfg.context_length, getattr(text_cfg, "hf_padding_mask", True), dtype)
+
+
 def build_text_encoder(text_cfg, run_seed: int,
                        sd3_stack: bool = False) -> TextEncoder | HFTextEncoder | SD3TextEncoders:
     """The tower a run's `text` config section describes (common.config.TextConfig): the Hugging
@@ -307,15 +316,11 @@ def build_text_encoder(text_cfg, run_seed: int,
     if dtype is None:
         raise ConfigError(f"text.dtype={text_cfg.dtype!r}: choose one of {', '.join(TEXT_DTYPES)}")
     if getattr(text_cfg, "hf_path", ""):
-        if is_sd3_text_folder(text_cfg.hf_path):
-            if not sd3_stack:
-                raise ConfigError(f"text.hf_path={text_cfg.hf_path} is a Stable Diffusion 3 pipeline folder: its three "
-                                  "text encoders feed an SD3 transformer only (text2image model.arch=sd3); for another "
-                                  "model point text.hf_path at one of them, e.g. its text_encoder_3/ (T5)")
-            enc = SD3TextEncoders(text_cfg.hf_path, text_cfg.context_length, dtype)
-        else:
-            enc = HFTextEncoder(text_cfg.hf_path, text_cfg.context_length, getattr(text_cfg, "hf_padding_mask", True),
-                                dtype)
+        if is_sd3_text_folder(text_cfg.hf_path) and not sd3_stack:
+            raise ConfigError(f"text.hf_path={text_cfg.hf_path} is a Stable Diffusion 3 pipeline folder: its three "
+                              "text encoders feed an SD3 transformer only (text2image model.arch=sd3); for another "
+                              "model point text.hf_path at one of them, e.g. its text_encoder_3/ (T5)")
+        enc = folder_text_encoder(text_cfg, dtype)
         if enc.width != text_cfg.width:
             raise ConfigError(f"text.width={text_cfg.width} but the text encoder at {text_cfg.hf_path} has width "
                               f"{enc.width}; set text.width={enc.width}")
@@ -330,10 +335,10 @@ def build_text_encoder(text_cfg, run_seed: int,
 
 def text_features_id(text_encoder) -> str:
     """Which features a frozen tower gives a caption: its class, the fingerprint of its weights
-    (common.checkpoint.weights_fingerprint), its token count and whether it masks padding.
+    (common.frozen_weights.weights_fingerprint), its token count and whether it masks padding.
     Precomputed features (python -m data.precompute --text-encoder) carry it; a run takes them
     only from shards whose id is its own tower's."""
-    from common.checkpoint import weights_fingerprint
+    from common.frozen_weights import weights_fingerprint
     length = getattr(text_encoder, "context_length", None) or text_encoder.cfg.context_length
     masked = int(getattr(text_encoder, "padding_mask", True))
     return f"{type(text_encoder).__name__}-{weights_fingerprint(text_encoder)}-L{length}-mask{masked}"

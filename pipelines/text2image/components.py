@@ -190,7 +190,7 @@ def build_unet(cfg: T2IConfig, size: int, channels: int) -> UNet:
 def build(cfg: T2IConfig) -> Components:
     vae, channels, size = load_vae(cfg)
     # Frozen tower and DiT (or UNet) seeded apart from the global RNG, so that every rank, every resume and
-    # sample.py rebuild exactly the same tower (it is also saved in checkpoints) and initial DiT.
+    # sample.py rebuild exactly the same tower (a random one is also saved in checkpoints) and initial DiT.
     text = build_text_encoder(cfg.text, cfg.run.seed, sd3_stack=cfg.model.arch == "sd3")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(dnoise.mix_seed(cfg.run.seed, 102))

@@ -8,13 +8,20 @@ import inspect
 
 from torch import nn
 
-from pipelines.text2image.unet import denoiser_flops
+from pipelines.text2image.unet import _plain, denoiser_flops
 
 
 def init_params(cls) -> dict:
     """{name: inspect.Parameter} of a diffusers model class's constructor (its settings and defaults)."""
     params = inspect.signature(cls.__init__).parameters
     return {k: p for k, p in params.items() if k != "self"}
+
+
+def config_mismatch(transformer: nn.Module, config: dict, params: dict) -> list[str]:
+    """The init settings (`params`: init_params of its class) in a folder's `config` that the built
+    `transformer` does not have."""
+    return [f"{k}: folder {v!r} vs built {transformer.config.get(k)!r}" for k, v in config.items()
+            if k in params and _plain(v) != _plain(transformer.config.get(k))]
 
 
 class DiffusersTransformer(nn.Module):

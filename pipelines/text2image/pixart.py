@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from common.nn.dit import preset_config
-from pipelines.text2image.diffusers_transformer import DiffusersTransformer, init_params
+from pipelines.text2image.diffusers_transformer import DiffusersTransformer, config_mismatch, init_params
 from pipelines.text2image.unet import _plain
 
 # The timestep scale of PixArt (1000 DDPM steps): t in [0, 1] becomes t * 1000.
@@ -140,8 +140,7 @@ def diffusers_config_mismatch(transformer: nn.Module, config: dict) -> list[str]
     """The init settings in a folder's `config` that the built `transformer` does not have: empty
     when the two are the same architecture."""
     params = _init_params()
-    wrong = [f"{k}: folder {v!r} vs built {transformer.config.get(k)!r}" for k, v in config.items()
-             if k in params and _plain(v) != _plain(transformer.config.get(k))]
+    wrong = config_mismatch(transformer, config, params)
     if "use_additional_conditions" not in config:
         expected = config.get("sample_size", params["sample_size"].default) == 128
         if transformer.use_additional_conditions != expected:

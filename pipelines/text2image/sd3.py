@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from common.nn.dit import preset_config
-from pipelines.text2image.diffusers_transformer import DiffusersTransformer, init_params
+from common.nn.dit import masked_mean, preset_config
+from pipelines.text2image.diffusers_transformer import DiffusersTransformer, config_mismatch, init_params
 from pipelines.text2image.unet import _plain
 
 # SD3's timestep scale: the flow-matching sigma in [0, 1] times 1000, which is this pipeline's t.
@@ -141,22 +141,12 @@ def sd3_config_from_diffusers(config: dict, *, img_size: int, in_channels: int, 
 def diffusers_config_mismatch(transformer: nn.Module, config: dict) -> list[str]:
     """The init settings in a folder's `config` that the built `transformer` does not have: empty
     when the two are the same architecture."""
-    params = _init_params()
-    return [f"{k}: folder {v!r} vs built {transformer.config.get(k)!r}" for k, v in config.items()
-            if k in params and _plain(v) != _plain(transformer.config.get(k))]
+    return config_mismatch(transformer, config, _init_params())
 
 
 def signature_fields(cfg: SD3Config) -> dict:
     """The config as checkpoints record it (common.checkpoint compares it before loading)."""
     return {"arch": "sd3", **dataclasses.asdict(cfg)}
-
-
-def pooled_text(context: torch.Tensor, context_mask: torch.Tensor | None) -> torch.Tensor:
-    """(B, W): the mean of the caption's token features over its real tokens (all when no mask)."""
-    if context_mask is None:
-        return context.mean(1)
-    m = context_mask.to(context.dtype).unsqueeze(-1)
-    return (context * m).sum(1) / m.sum(1).clamp_min(1.0)
 
 
 class SD3(DiffusersTransformer):
@@ -180,6 +170,6 @@ class SD3(DiffusersTransformer):
         if self.cfg.pooled_dim:
             pooled, context = context[:, 0, :self.cfg.pooled_dim], context[:, 1:]
         else:
-            pooled = pooled_text(context, context_mask)
+            pooled = masked_mean(context, context_mask)
         return self.transformer(hidden_states=x, encoder_hidden_states=context, pooled_projections=pooled,
                                 timestep=t.to(torch.float32) * TIME_SCALE, return_dict=False)[0]
