@@ -118,6 +118,11 @@ class TrainConfig:
                              "(operators by self device time, or CPU time on CPU) and a Chrome trace "
                              "rank<r>.json.gz (Perfetto, chrome://tracing)")
     profile_count: int = doc(3, "steps recorded from train.profile_at on")
+    host_malloc: str = doc("auto", "auto | keep | default: glibc malloc in the training process. keep: large "
+                                   "buffers come from the heap and freed memory stays mapped, so a step's large "
+                                   "activations are not page-faulted in again every step (common/host_memory.py; "
+                                   "a CPU DiT-S step 10.4 -> 9.3 s); auto: keep on CPU runs, glibc's default "
+                                   "with a GPU; default: glibc as it is. No-op where the C library is not glibc")
 
 
 @dataclass
@@ -287,6 +292,7 @@ def check_run_config(cfg, positive: dict, choices: dict) -> None:
                "precision.fp8": (cfg.precision.fp8, ("none", "tensorwise", "rowwise")),
                "precision.convert": (cfg.precision.convert, ("blocks", "all")),
                "precision.roofline": (cfg.precision.roofline, ("auto", "h100-sxm", "h200-sxm", "a100-sxm", "none")),
+               "train.host_malloc": (tc.host_malloc, ("auto", "keep", "default")),
                **choices}
     for key, (value, allowed) in choices.items():
         if value not in allowed:

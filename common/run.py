@@ -22,6 +22,7 @@ from common.checkpoint import CheckpointError, load_for_inference
 from common.config import ConfigError, from_yaml_file, parse_cli
 from common.data import StreamingLoader
 from common.data.captions import first_examples
+from common.host_memory import apply_host_malloc
 from common.pipeline import PipelineSpec
 from common.trainer import Trainer
 
@@ -36,6 +37,7 @@ def train(spec: PipelineSpec, argv=None, cfg=None) -> int:
     if cfg is None:
         cfg = parse_cli(spec.config, argv, prog(spec, "train"), spec.description)
     info = mdist.init_distributed(precision=cfg.precision)
+    apply_host_malloc(cfg.train.host_malloc, info.device.type)  # before the first large allocation
     mdist.seed_everything(cfg.run.seed, info.rank)
     torch.use_deterministic_algorithms(True, warn_only=True)
     # Deterministic algorithms, but no NaN fill of every torch.empty that the flag above turns on:
