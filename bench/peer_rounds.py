@@ -220,12 +220,28 @@ def add_arguments(p: argparse.ArgumentParser, *, configs: str, batch: int, json_
                    help="also time each side's ATen ops (eager only) and print the time in kernels both sides "
                         "share (GEMMs, attention, activations) and the ratios that removing overhead could at most "
                         "reach")
+    p.add_argument("--host-malloc", choices=("keep", "default"), default="keep",
+                   help="keep (the default): glibc keeps freed memory for the whole process "
+                        "(common/host_memory.py, what our trainer does on CPU), so neither side page-faults its "
+                        "large buffers in again every step; default: glibc's own behaviour, under which the "
+                        "page faults fall on whichever side's allocations glibc happens to serve with fresh "
+                        "mappings (at DiT-S size the peer's, ~0.3 s a step, while ours took none), and the ratio "
+                        "measures the allocator as much as the steps")
     p.add_argument("overrides", nargs="*", help="config overrides for our side, e.g. parallel.compile=true")
     p.add_argument("--json", default=os.path.join(root, "bench", "results", json_name))
+
+
+def setup_process(args) -> None:
+    """The process settings both sides share: CPU threads and glibc's malloc (--host-malloc)."""
+    from common.host_memory import keep_freed_memory
+    torch.set_num_threads(args.threads)
+    if args.host_malloc == "keep" and not keep_freed_memory():
+        print("--host-malloc keep: the C library is not glibc; its allocator is left as it is")
 
 
 def write_json(path: str, args, rows: list[dict]) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"threads": args.threads, "clock": args.clock, "rows": rows}, f, indent=1)
+        json.dump({"threads": args.threads, "clock": args.clock, "host_malloc": args.host_malloc, "rows": rows},
+                  f, indent=1)
     print(f"wrote {path}")

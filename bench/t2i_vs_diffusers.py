@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.peer_rounds import (OursStep, add_arguments, alternate, check_split, optimizer_step,  # noqa: E402
-                               ratio_text, split_fields, split_line, write_json)
+                               ratio_text, setup_process, split_fields, split_line, write_json)
 from common.config import build_config  # noqa: E402
 from pipelines.text2image import components  # noqa: E402
 from pipelines.text2image.config import T2IConfig  # noqa: E402
@@ -122,7 +122,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_arguments(p, configs="demo,S", batch=32, json_name="t2i_vs_diffusers.json", root=ROOT)
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
+    setup_process(args)
     rows = []
     for name in args.configs.split(","):
         if name not in CONFIGS:
