@@ -1,28 +1,27 @@
 """glibc malloc settings for training processes that keep large tensors in host memory.
 
-By default glibc serves every allocation above its mmap threshold (at most 32 MB, dynamic below
-that) with a fresh mmap and returns it to the kernel on free, and trims the heap's top as soon as
-128 KB-2x-threshold of it is free. A training step that allocates and frees the same large
-activations every step then pays a page fault per 4 KB page of each of them, every step: a CPU
-DiT-S step (batch 32, 50 MB MLP activations) took ~395,000 faults and 10.3-10.5 s alone, against
-no faults and 9.2-9.4 s with the settings below; a fresh 50 MB GEMM output alone runs at 136
-against 181 GFLOPS (README, Performance).
+By default glibc serves each allocation above its mmap threshold (dynamic, at most 32 MB) with a
+fresh mapping that it unmaps on free, and it trims the heap's free top back to the kernel. A step
+that allocates and frees the same large activations every step then pays a page fault per 4 KB
+page of each of them, every step: a CPU DiT-S step (batch 32, 50 MB MLP activations) took
+~390,000 faults a step alone and 10.1-10.6 s, against none and 9.2-9.4 s with the settings below,
+in 4 of 5 pairs of processes (the fifth: 9.8 s both); a GEMM writing a fresh 50 MB output runs at
+136 against 181 GFLOPS (README, Performance).
 
-keep_freed_memory() sets M_MMAP_MAX = 0 (every allocation from the heap; glibc still falls back to
-mmap where the heap cannot grow) and a 2 GB M_TRIM_THRESHOLD (freed memory stays mapped for the
-next step). The process's resident memory then stays at its peak, which a training process reaches
-every step anyway. It is what LD_PRELOADing jemalloc or tcmalloc does for PyTorch on CPUs, without
-a dependency. Process-wide: the training entrypoints call it, a library import never does.
+keep_freed_memory() sets M_MMAP_MAX = 0 (every allocation from the heap; glibc still maps memory
+where the heap cannot grow) and turns trimming off (M_TRIM_THRESHOLD = -1: freed memory stays
+mapped for the next step). Resident memory then stays at the process's peak, which a training step reaches every step
+anyway. LD_PRELOADing jemalloc or tcmalloc does the same for PyTorch on CPUs; this needs no
+dependency. Process-wide: the training entrypoint calls it (train.host_malloc), an import never does.
 """
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import platform
 
 M_TRIM_THRESHOLD = -1  # glibc's <malloc.h> parameter numbers
 M_MMAP_MAX = -4
-TRIM_THRESHOLD_BYTES = 2**31 - 1  # mallopt takes an int: the largest free heap top kept mapped
+NO_TRIM = -1  # mallopt(3): an M_TRIM_THRESHOLD of -1 turns trimming off
 
 MODES = ("auto", "keep", "default")
 
@@ -32,7 +31,7 @@ def _glibc():
     if platform.system() != "Linux":
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(None)  # the process's own symbols, its C library's among them
         libc.gnu_get_libc_version  # absent from musl and other C libraries
         libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
         libc.mallopt.restype = ctypes.c_int
@@ -47,7 +46,7 @@ def keep_freed_memory() -> bool:
     libc = _glibc()
     if libc is None:
         return False
-    return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+    return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, NO_TRIM))
 
 
 def apply_host_malloc(mode: str, device_type: str) -> bool:
