@@ -17,6 +17,8 @@ from typing import Any, Union
 from omegaconf import MISSING, OmegaConf
 from omegaconf import errors as oc_errors
 
+from common.host_memory import MODES as HOST_MALLOC_MODES
+
 
 class ConfigError(ValueError):
     """A user mistake in a config file or override; printed as one line, no traceback."""
@@ -292,7 +294,7 @@ def check_run_config(cfg, positive: dict, choices: dict) -> None:
                "precision.fp8": (cfg.precision.fp8, ("none", "tensorwise", "rowwise")),
                "precision.convert": (cfg.precision.convert, ("blocks", "all")),
                "precision.roofline": (cfg.precision.roofline, ("auto", "h100-sxm", "h200-sxm", "a100-sxm", "none")),
-               "train.host_malloc": (tc.host_malloc, ("auto", "keep", "default")),
+               "train.host_malloc": (tc.host_malloc, HOST_MALLOC_MODES),
                **choices}
     for key, (value, allowed) in choices.items():
         if value not in allowed:
