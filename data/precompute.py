@@ -271,6 +271,9 @@ def plan(inputs: list[str], out: str) -> list[tuple[str, str]]:
 
 
 def run(a: argparse.Namespace) -> dict:
+    """Process this rank's shards and return the summary (the summed counts on rank 0). Under
+    torchrun the gloo group it starts stays up after success (the process exit ends it; see
+    __main__) and is destroyed on failure."""
     from common.data.shards import expand_shards
     rank, world, own_pg = _dist()
     try:
@@ -314,10 +317,11 @@ def run(a: argparse.Namespace) -> dict:
         s["report"] = report_path
         s["rank"], s["world"] = rank, world
         return s
-    finally:
+    except BaseException:
         if own_pg:
             import torch.distributed as dist
             dist.destroy_process_group()
+        raise
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -389,4 +393,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if torch.distributed.is_initialized():
+        # A finished torchrun rank: its shards and the merged report are on disk and every rank has
+        # passed the final barrier. The interpreter's teardown of gloo has aborted such a rank
+        # ("terminate called without an active exception", SIGABRT), turning a complete run into a
+        # failed job, so leave without it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
