@@ -396,9 +396,9 @@ if __name__ == "__main__":
     code = main()
     if torch.distributed.is_initialized():
         # A finished torchrun rank: its shards and the merged report are on disk and every rank has
-        # passed the final barrier. The interpreter's teardown of gloo has aborted such a rank
-        # ("terminate called without an active exception", SIGABRT), turning a complete run into a
-        # failed job, so leave without it.
+        # passed the final barrier. Tearing gloo down from here (destroy_process_group, then the
+        # interpreter's exit) has aborted such a rank in C++ ("terminate called without an active
+        # exception", SIGABRT), turning a complete run into a failed job, so leave without it.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
