@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from common.import_noise import KNOWN_NOISE
 from tests.conftest import ROOT
 
@@ -20,6 +22,7 @@ def stderr_of(code: str) -> str:
     return proc.stderr
 
 
+@pytest.mark.slow
 def test_known_import_messages_are_dropped_and_nothing_else():
     bare = stderr_of(f"import logging; {IMPORTS}")
     for _, fragment, _ in KNOWN_NOISE:

@@ -109,6 +109,7 @@ def losses(run: str) -> list[float]:
     return [r["loss"] for r in sorted((r for r in rows if "loss" in r), key=lambda r: r["step"])]
 
 
+@pytest.mark.slow
 def test_toy_spec_trains_resumes_and_samples(vectors, tmp_path):
     whole, resumed = str(tmp_path / "whole"), str(tmp_path / "resumed")
     toy_train(whole, vectors)
@@ -142,6 +143,7 @@ def test_one_process_asking_for_fsdp_gets_it(vectors, tmp_path):
     assert losses(fsdp) == losses(plain)
 
 
+@pytest.mark.slow
 def test_profiled_steps_are_written_and_train_as_unprofiled_ones(vectors, tmp_path):
     plain, profiled = str(tmp_path / "plain"), str(tmp_path / "profiled")
     toy_train(plain, vectors, "train.steps=4")
@@ -227,6 +229,7 @@ def test_input_wait_names_the_part_that_starves_the_step():
         assert off.end_window(1.0, step, num_workers=0)[1] is None
 
 
+@pytest.mark.slow
 def test_relaunch_with_another_model_keeps_the_run_config(vectors, tmp_path):
     run = str(tmp_path / "run")
     toy_train(run, vectors, "train.steps=2")

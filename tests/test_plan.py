@@ -87,7 +87,7 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("which", ["dit", "llama"])
+@pytest.mark.parametrize("which", [pytest.param("dit", marks=pytest.mark.slow), "llama"])
 def test_every_rank_holds_exactly_the_planned_shards(which):
     import warnings
 
@@ -211,6 +211,7 @@ def _measure(rank, world, names):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.parametrize("world", [2, 4])
 def test_collective_bytes_and_optimizer_state_equal_the_measured_run(world):

@@ -139,6 +139,7 @@ def test_help():
     assert r.returncode == 0 and "--vae" in r.stdout and "--text-encoder" in r.stdout
 
 
+@pytest.mark.slow
 def test_two_ranks(shards, vae_dir, tmp_path):
     out = str(tmp_path / "dist")
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")

@@ -359,6 +359,7 @@ def test_pipeline_with_native_unet_matches_our_sampler():
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 def test_export_unet_run(synth_data, tmp_path):
     """model.arch=unet: the export holds the native UNet2DConditionModel (unet/) and draws what
     sample.py draws."""

@@ -191,6 +191,7 @@ def test_folder_unet_refusals(sd_folder, tmp_path):
         init_from(clipless, sd_folder)
 
 
+@pytest.mark.slow
 def test_fine_tune_folder_unet_exports_and_samples(sd_folder, synth_data, tmp_path):
     """Three DDPM steps on SD's betas from the folder's weights, then both exports. Ours: the
     scheduler holds the scaled_linear betas, the UNet and CLIP are run as in training, and it draws

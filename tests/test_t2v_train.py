@@ -229,6 +229,7 @@ def test_resume_after_kill_is_exact(video_data, tmp_path):
         assert a[step]["grad_norm"] == b[step]["grad_norm"], step
 
 
+@pytest.mark.slow
 def test_trains_on_precomputed_text_features(video_data, tmp_path):
     """text2video takes the clips' precomputed caption features (data.precompute --text-encoder,
     the tiny run's tower): 3 steps' losses equal the tower's run to float16 rounding of the

@@ -19,6 +19,7 @@ def corrupt_data(synth_data, tmp_path_factory):
     return out, bad
 
 
+@pytest.mark.slow
 def test_corrupt_samples_counted_exactly_under_every_dp_layout(corrupt_data, tmp_path):
     """One epoch (every sample read once) in 1 process (32 per micro-batch) and in 2 ranks (16
     each, FSDP): training goes on, and the skip count of every step is that of the injected

@@ -5,12 +5,15 @@ from __future__ import annotations
 import errno
 import os
 
+import pytest
+
 from common.cli import storage_error
 
 from .conftest import REF_STEPS
 from .harness import checkpoint_state, latest, same_losses, same_tensors, step_dir, tail, train
 
 
+@pytest.mark.slow
 def test_disk_full_during_save_stops_with_one_line(synth_data, ref_single, tmp_path):
     run = str(tmp_path / "run")
     proc = train(run, synth_data, f"train.steps={REF_STEPS}", fault_env={"MMP_FAULT_SAVE_ERROR": "4"})

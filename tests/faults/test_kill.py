@@ -17,6 +17,7 @@ def resumes_expected(kills: list[int]) -> list[int]:
     return [(k - 1) // 2 * 2 for k in kills if k > 2]
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_steps_single_process(synth_data, ref_single, tmp_path):
     kills = random_steps(seed=16, count=2, lo=2, hi=REF_STEPS)
     got = kill_and_resume(ref_single, str(tmp_path / "run"), synth_data, kills, REF_STEPS)
@@ -39,6 +40,7 @@ def test_sigkill_at_random_steps_two_rank_fsdp(synth_data, tmp_path):
     assert got["loss_mismatch"] == [] and got["weight_mismatch"] == [], got
 
 
+@pytest.mark.slow
 def test_sigkill_between_shard_writes_and_rename(synth_data, ref_single, tmp_path):
     """Killed after every shard of step 4's checkpoint is on disk but before the rename: `latest`
     still names step 2, whose tensors equal the reference's; the resume uses it, never the .tmp."""
