@@ -143,3 +143,86 @@ def test_ddpm_loss_and_ddim_exact_model(prediction):
     assert per.shape == (2,) and loss.item() < 1e-8
     out = ddim_sample(exact, d, x0.shape, num_steps=10, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(out, x0, atol=1e-4, rtol=1e-4)
+
+
+class _OneHotTower(torch.nn.Module):
+    """A stand-in text tower: caption -> one-hot row over a fixed caption list (one position)."""
+
+    def __init__(self, captions):
+        super().__init__()
+        self.index = {c: i for i, c in enumerate(captions)}
+
+    def forward(self, captions):
+        ctx = torch.zeros(len(captions), 1, len(self.index))
+        ctx[torch.arange(len(captions)), 0, torch.tensor([self.index[c] for c in captions])] = 1
+        return ctx, torch.ones(len(captions), 1, dtype=torch.bool)
+
+
+class _OracleDenoiser(torch.nn.Module):
+    """Knows the clean image each caption names (`clean[caption row]`) and predicts the objective's
+    exact target for it: error 0 under the right caption, > 0 under any other."""
+
+    def __init__(self, objective, clean):
+        super().__init__()
+        self.objective, self.clean = objective, clean
+
+    def forward(self, x_t, t, ctx, mask):
+        x0 = self.clean[ctx[:, 0].argmax(1)]
+        if isinstance(self.objective, RectifiedFlow):
+            tb = t.view(-1, 1, 1, 1)
+            return (x_t - (1 - tb) * x0) / tb - x0
+        step = (t * self.objective.num_timesteps).round().long()
+        a, s = self.objective.coefs(step, x0)
+        return self.objective.target(x0, (x_t - a * x0) / s, step)
+
+
+@pytest.mark.parametrize("objective", [RectifiedFlow(), DDPM(prediction="eps"), DDPM(prediction="v")],
+                         ids=["flow", "ddpm-eps", "ddpm-v"])
+def test_caption_errors_pick_the_caption_an_oracle_denoiser_was_given(objective):
+    from common.diffusion.text_conditioned import PROBE_TIMES, caption_errors
+    words = ["circle", "square", "star", "cross"]
+    clean = torch.randn(len(words), 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    truth = [2, 0, 3, 1, 1]
+    x0 = clean[truth]
+    choices = [[f"a red {w}" for w in words] for _ in truth]
+    model = _OracleDenoiser(objective, clean).train()
+    errors = caption_errors(model, _OneHotTower(choices[0]), objective, x0, choices, seed=3, noises=2, batch_size=5)
+    assert errors.shape == (len(truth), len(words), len(PROBE_TIMES))
+    assert model.training  # restored
+    right = errors[torch.arange(len(truth)), truth]
+    assert right.max() < 1e-8, right
+    wrong = errors.clone()
+    wrong[torch.arange(len(truth)), truth] = float("inf")
+    assert wrong.min() > 1e-4, wrong  # eps prediction near t = 1 barely sees x0: small, yet far above 0
+    assert errors.mean(2).argmin(1).tolist() == truth
+
+
+def test_caption_errors_give_every_caption_the_same_noise():
+    """A caption-blind model's error must not depend on the caption at all (same draws for every
+    candidate), while the draws differ between items and between seeds."""
+    from common.diffusion.text_conditioned import caption_errors
+
+    class Blind(torch.nn.Module):
+        def forward(self, x_t, t, ctx, mask):
+            return 0.5 * x_t + t.view(-1, 1, 1, 1)
+
+    x0 = torch.zeros(3, 3, 4, 4)  # identical items: any difference between them is the noise
+    choices = [["a", "b", "c"]] * 3
+    tower = _OneHotTower(["a", "b", "c"])
+    errors = caption_errors(Blind(), tower, RectifiedFlow(), x0, choices, seed=0, noises=2, batch_size=4)
+    assert torch.equal(errors, errors[:, :1].expand_as(errors))
+    assert not torch.allclose(errors[0], errors[1])
+    again = caption_errors(Blind(), tower, RectifiedFlow(), x0, choices, seed=0, noises=2)
+    other = caption_errors(Blind(), tower, RectifiedFlow(), x0, choices, seed=1, noises=2)
+    assert torch.equal(errors, again) and not torch.allclose(errors, other)
+    with pytest.raises(ValueError, match="one list of 3 captions per item"):
+        caption_errors(Blind(), tower, RectifiedFlow(), x0, choices[:2], noises=2)
+
+
+def test_ddpm_example_at_maps_noise_fractions_to_timesteps():
+    ddpm = DDPM(num_timesteps=1000)
+    x0, eps = torch.randn(3, 2), torch.randn(3, 2)
+    x_t, t, target = ddpm.example_at(x0, eps, torch.tensor([0.0, 0.5, 1.0]))
+    steps = torch.tensor([0, 500, 999])  # round(t * 999)
+    assert torch.equal(t, ddpm.model_time(steps))
+    assert torch.equal(x_t, ddpm.q_sample(x0, eps, steps)) and torch.equal(target, eps)

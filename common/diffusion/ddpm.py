@@ -88,6 +88,11 @@ class DDPM:
         eps = per_sample_randn(seeds, x0.shape[1:], SALT_NOISE, device=x0.device, dtype=x0.dtype)
         return self.q_sample(x0, eps, t), self.model_time(t), self.target(x0, eps, t)
 
+    def example_at(self, x0: torch.Tensor, eps: torch.Tensor, t: torch.Tensor):
+        """(x_t, model time, target) at noise fractions t (B,) in [0, 1]: timestep round(t (T - 1))."""
+        step = (t.double() * (self.num_timesteps - 1)).round().long()
+        return self.q_sample(x0, eps, step), self.model_time(step).to(x0.device), self.target(x0, eps, step)
+
     def loss(self, model_fn: Callable, x0: torch.Tensor, cond, seeds, num_tokens: int | None = None):
         """Returns (mean loss, per-sample MSE (B,)) on the chosen prediction target."""
         x_t, t, target = self.training_example(x0, seeds)

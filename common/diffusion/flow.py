@@ -70,6 +70,10 @@ class RectifiedFlow:
         """(x_t, t, target) for a training step: what the model sees and what it should predict."""
         t = self.sample_t(seeds, num_tokens, device=x0.device)
         eps = per_sample_randn(seeds, x0.shape[1:], SALT_NOISE, device=x0.device, dtype=x0.dtype)
+        return self.example_at(x0, eps, t)
+
+    def example_at(self, x0: torch.Tensor, eps: torch.Tensor, t: torch.Tensor):
+        """(x_t, t, target) at given times t (B,) in [0, 1] (the noise fraction, no shift applied)."""
         return self.interpolate(x0, eps, t), t, self.target(x0, eps)
 
     def loss(self, model_fn: Callable, x0: torch.Tensor, cond, seeds, num_tokens: int | None = None):

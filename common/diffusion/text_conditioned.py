@@ -15,7 +15,7 @@ import torch
 
 from .ddpm import DDPM
 from .flow import RectifiedFlow, mse_per_sample
-from .noise import drop_captions, sample_seeds
+from .noise import drop_captions, mix_seed, sample_seeds
 
 
 def objective_from_config(d):
@@ -161,6 +161,45 @@ def generate(model, text_encoder, objective, prompts: list[str], seeds: list[int
         out.append((decode(x) if decode is not None else x).float().cpu())
     model.train(was_training)
     return out
+
+
+PROBE_TIMES = (0.2, 0.35, 0.5, 0.65, 0.8)
+
+
+@torch.no_grad()
+def caption_errors(model, text_encoder, objective, x0: torch.Tensor, choices: list[list[str]], *, seed: int = 0,
+                   times=PROBE_TIMES, noises: int = 4, device=torch.device("cpu"), batch_size: int = 128) -> torch.Tensor:
+    """(N, K, len(times)) denoising error of item x0[i] under each of its K candidate captions
+    choices[i], averaged over `noises` draws per time. All K captions of an item see the very same
+    (time, noise) draws, so the caption is the only thing that differs between them: the argmin
+    over K is the model's zero-shot reading of the item (a diffusion classifier, Li et al. 2023).
+    It tells whether a word reaches the denoiser, apart from whether the sampler can draw it.
+    Times are noise fractions (0 data, 1 noise); the error is the objective's training MSE."""
+    n, k = len(x0), len(choices[0])
+    if len(choices) != n or any(len(c) != k for c in choices):
+        raise ValueError(f"choices: one list of {k} captions per item ({n} items) expected")
+    if noises < 1 or not times:
+        raise ValueError("caption_errors needs at least one time and one noise")
+    was_training = model.training
+    model.eval()
+    unique = list(dict.fromkeys(c for row in choices for c in row))
+    ctx, mask = text_encoder(unique)
+    row_of = {c: i for i, c in enumerate(unique)}
+    t = torch.tensor(times, dtype=torch.float32).repeat_interleave(noises)  # (D,) draws per item
+    out = torch.empty(n, k, len(t))
+    for i in range(n):
+        eps = torch.randn((len(t), *x0.shape[1:]), generator=torch.Generator().manual_seed(mix_seed(seed, i)))
+        x_t, model_t, target = objective.example_at(x0[i:i + 1].cpu().float().expand_as(eps), eps, t)
+        rows = torch.tensor([row_of[c] for c in choices[i]]).repeat_interleave(len(t))  # (K * D,) caption major
+        draws = torch.arange(len(t)).repeat(k)
+        errors = []
+        for j in range(0, len(rows), batch_size):
+            r, d = rows[j:j + batch_size], draws[j:j + batch_size]
+            pred = model(x_t[d].to(device), model_t[d].to(device), ctx[r].to(device), mask[r].to(device))
+            errors.append(mse_per_sample(pred, target[d].to(device)).cpu())
+        out[i] = torch.cat(errors).view(k, len(t))
+    model.train(was_training)
+    return out.view(n, k, len(times), noises).mean(3)
 
 
 def to_uint8(x: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,11 @@ Diversity, beside accuracy: for the first held-out colour/shape classes, `--dive
 the prompt "a COLOUR SHAPE" (which leaves background, place and size to the model), their mean
 pairwise pixel distance over that of the class's real held-out images, at the same guidance.
 
+Word probe (`--word-probe N`, off by default): for the first N held-out real images, the model's
+denoising error under each caption made by swapping the shape word (then the colour word) of the
+image's own caption, the same noise for all; the share whose lowest error is the true word. It
+tells a word that does not reach the denoiser from a shape the sampler cannot draw yet.
+
   python -m pipelines.text2image.eval --run RUN_DIR [--shards SPEC] [--num N] [--steps S] [--cfg W]
 """
 import argparse
@@ -16,11 +21,16 @@ import numpy as np
 import torch
 
 from common.cli import run_cli
+from common.config import ConfigError
 from common.data.captions import read_attributes
-from common.data.images import image_bytes, open_rgb
+from common.data.images import ImageDecoder, image_bytes, open_rgb
 from common.data.shards import iter_samples
+from common.diffusion.text_conditioned import PROBE_TIMES, caption_errors
 from common.run import evaluate
+from data import shapes
+from data.synth import caption as synth_caption
 from data.shape_analysis import MIN_SPREAD, diversity_ratio, drawn_summary, mean_pairwise_distance, score
+from pipelines.text2image.components import encode_images
 from pipelines.text2image.spec import SPEC
 
 REAL_PER_CLASS = 32  # real held-out images per class for the reference spread
@@ -44,6 +54,58 @@ def add_diversity_args(p: argparse.ArgumentParser) -> None:
                    help="samples per prompt for the diversity figure (default 8; 0 skips it)")
     p.add_argument("--diversity-classes", type=_count(1), default=4,
                    help="held-out colour/shape classes it averages over (default 4)")
+
+
+def add_eval_args(p: argparse.ArgumentParser) -> None:
+    add_diversity_args(p)
+    p.add_argument("--word-probe", type=_count(1, zero_ok=True), default=0, metavar="N",
+                   help="also probe whether the shape and colour words reach the denoiser, on the first N "
+                        "held-out real images of data.synth (default 0: off; 64 is a useful figure)")
+
+
+PROBE_NOISES = 4  # noise draws per probe time: 5 x 4 forward passes per image and candidate caption
+
+
+def word_probe(args, comp, result) -> list[str]:
+    """Adds result["word_probe"]: per word (shape, colour) the share of held-out real images whose
+    own word gives the lowest denoising error among all words of its kind (caption_errors), overall
+    and per probe time."""
+    if args.word_probe == 0:
+        return []
+    decode = ImageDecoder(comp.cfg.model.image_size)
+    images, attrs = [], []
+    for sample in iter_samples(args.shards):
+        a = read_attributes(sample)
+        if {"shape", "colour", "template"} <= set(a) and image_bytes(sample) is not None:
+            images.append(decode(sample)["image"])
+            attrs.append(a)
+            if len(images) == args.word_probe:
+                break
+    if not images:
+        raise ConfigError("--word-probe: the held-out shards have no images with data.synth attributes (shape, "
+                          "colour, template)")
+    x0 = encode_images(comp, {"image": torch.stack(images), "__position__": torch.arange(len(images))},
+                       torch.device("cpu"))
+    probe = {"n": len(images), "times": list(PROBE_TIMES), "noises": PROBE_NOISES}
+    line = []
+    for word, vocabulary in (("shape", shapes.SHAPES), ("colour", list(shapes.COLOURS))):
+        # The caption rebuilt from its template with the word swapped: articles follow the word.
+        choices = [[synth_caption({**a, word: w}, a["template"]) for w in vocabulary] for a in attrs]
+        errors = caption_errors(comp.model, comp.text_encoder, comp.objective, x0, choices, seed=args.seed,
+                                noises=PROBE_NOISES)
+        truth = torch.tensor([vocabulary.index(a[word]) for a in attrs])
+        per_t = (errors.argmin(1) == truth[:, None]).float().mean(0)
+        probe[word] = {"accuracy": float((errors.mean(2).argmin(1) == truth).float().mean()),
+                       "chance": 1 / len(vocabulary), "per_time": [round(float(v), 4) for v in per_t]}
+        line.append(f"{word} {probe[word]['accuracy']:.1%} (chance {1 / len(vocabulary):.1%}; per t "
+                    + " / ".join(f"{v:.0%}" for v in per_t) + ")")
+    result["word_probe"] = probe
+    return [f"word probe on {len(images)} held-out real images (lowest denoising error among swapped words, t = "
+            + "/".join(f"{t:g}" for t in PROBE_TIMES) + f", {PROBE_NOISES} noises each): " + ", ".join(line)]
+
+
+def extend(args, comp, examples, result) -> list[str]:
+    return diversity(args, comp, examples, result) + word_probe(args, comp, result)
 
 
 def diversity(args, comp, examples, result) -> list[str]:
@@ -86,7 +148,7 @@ def main(argv=None) -> int:
                     score=lambda images, attrs: score(images.numpy(), attrs),
                     report=lambda r: (f"colour accuracy {r['colour_acc']:.1%}, shape accuracy {r['shape_acc']:.1%}, "
                                       f"both {r['both_acc']:.1%}; shapes drawn: {drawn_summary(r['drawn'])}"),
-                    add_args=add_diversity_args, extend=diversity)
+                    add_args=add_eval_args, extend=extend)
 
 
 if __name__ == "__main__":

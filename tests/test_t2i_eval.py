@@ -1,0 +1,80 @@
+"""text2image eval's word probe (pipelines/text2image/eval.py) on the held-out synthetic shards,
+with stand-in denoisers whose answer is known: the captions it builds, the truth it scores against."""
+from __future__ import annotations
+
+import argparse
+import os
+import types
+
+import pytest
+import torch
+
+from common.config import ConfigError
+from common.data.captions import caption_of, read_attributes
+from common.data.images import ImageDecoder
+from common.data.shards import iter_samples
+from common.diffusion import RectifiedFlow
+from data import shapes
+from pipelines.text2image import eval as t2i_eval
+
+
+class _KnownCaptions(torch.nn.Module):
+    """Caption -> one-hot row: each known caption its own, every other caption the last row."""
+
+    def __init__(self, captions):
+        super().__init__()
+        self.index = {c: i for i, c in enumerate(captions)}
+
+    def forward(self, captions):
+        rows = torch.tensor([self.index.get(c, len(self.index)) for c in captions])
+        ctx = torch.nn.functional.one_hot(rows, len(self.index) + 1).float()[:, None]
+        return ctx, torch.ones(len(captions), 1, dtype=torch.bool)
+
+
+class _FlowOracle(torch.nn.Module):
+    """The exact velocity towards clean[caption row]: error 0 under the caption an image was stored with."""
+
+    def __init__(self, clean):
+        super().__init__()
+        self.clean = clean
+
+    def forward(self, x_t, t, ctx, mask):
+        x0, tb = self.clean[ctx[:, 0].argmax(1)], t.view(-1, 1, 1, 1)
+        return (x_t - (1 - tb) * x0) / tb - x0
+
+
+def _probe(shards, model, tower, n):
+    comp = types.SimpleNamespace(cfg=types.SimpleNamespace(model=types.SimpleNamespace(image_size=32)),
+                                 model=model, text_encoder=tower, objective=RectifiedFlow(), vae=None)
+    result = {}
+    lines = t2i_eval.word_probe(argparse.Namespace(word_probe=n, shards=shards, seed=0), comp, result)
+    return result["word_probe"], lines
+
+
+def test_word_probe_reads_the_stored_words_of_an_oracle_and_nothing_from_a_blind_model(synth_data):
+    shards = os.path.join(synth_data, "heldout")
+    samples = [s for _, s in zip(range(8), iter_samples(shards))]
+    captions = [caption_of(s) for s in samples]
+    clean = torch.stack([ImageDecoder(32)(s)["image"] for s in samples] + [torch.zeros(3, 32, 32)])
+
+    # The swapped captions are rebuilt from each sample's template: the true one must equal the
+    # stored caption exactly, or the oracle (which knows only stored captions) would miss it.
+    probe, lines = _probe(shards, _FlowOracle(clean), _KnownCaptions(captions), 8)
+    assert probe["n"] == 8 and len(probe["times"]) == len(probe["shape"]["per_time"])
+    for word in ("shape", "colour"):
+        assert probe[word]["accuracy"] == 1.0 and set(probe[word]["per_time"]) == {1.0}, probe
+    assert "shape 100.0% (chance 16.7%" in lines[0] and "colour 100.0% (chance 12.5%" in lines[0]
+
+    # Caption-blind: every candidate gets the same error, the argmin is the first word, and the
+    # figure is the share of images whose word happens to be first, not 100%.
+    attrs = [read_attributes(s) for s in samples]
+    probe, _ = _probe(shards, _FlowOracle(clean), _KnownCaptions([]), 8)
+    for word, vocabulary in (("shape", shapes.SHAPES), ("colour", list(shapes.COLOURS))):
+        first = sum(a[word] == vocabulary[0] for a in attrs) / len(attrs)
+        assert probe[word]["accuracy"] == pytest.approx(first) and first < 1.0
+
+
+def test_word_probe_refuses_shards_without_synthetic_attributes(monkeypatch):
+    monkeypatch.setattr(t2i_eval, "iter_samples", lambda _: iter([{"txt": b"a photo", "png": b""}]))
+    with pytest.raises(ConfigError, match="--word-probe: the held-out shards have no images"):
+        _probe("unused", None, None, 4)
