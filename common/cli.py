@@ -7,6 +7,19 @@ import sys
 from typing import Callable
 
 
+def count_arg(minimum: int, zero_ok: bool = False) -> Callable[[str], int]:
+    """An argparse `type` for a count >= minimum (or 0, where 0 turns a feature off)."""
+    import argparse
+
+    def parse(text: str) -> int:
+        n = int(text)
+        if n < minimum and not (zero_ok and n == 0):
+            raise argparse.ArgumentTypeError(f"{n}: must be {'0 or ' if zero_ok else ''}>= {minimum}")
+        return n
+    parse.__name__ = "int"  # argparse's message for a non-number: "invalid int value"
+    return parse
+
+
 def user_error_types() -> tuple[type[BaseException], ...]:
     from common.checkpoint import CheckpointError
     from common.config import ConfigError

@@ -48,7 +48,7 @@ def test_run_dir_layout_and_sample_eval_clis(synth_data, tmp_path):
     assert proc.returncode == 0, proc.stderr
     result = json.load(open(os.path.join(run, "eval.json")))
     assert result["n"] == 4 and "colour accuracy" in proc.stdout
-    # The word probe on the real model (its figures are checked with oracles in test_t2i_eval.py).
+    # The word probe on the real model (its figures are checked with oracles in test_word_probe.py).
     assert result["word_probe"]["n"] == 3 and "word probe on 3 held-out real images" in proc.stdout
     assert all(0 <= result["word_probe"][w]["accuracy"] <= 1 for w in ("shape", "colour"))
     # Diversity beside accuracy: 8 samples of "a COLOUR SHAPE" per held-out class over the class's

@@ -20,12 +20,12 @@ import argparse
 import numpy as np
 import torch
 
-from common.cli import run_cli
+from common.cli import count_arg, run_cli
 from common.config import ConfigError
 from common.data.captions import read_attributes
 from common.data.images import ImageDecoder, image_bytes, open_rgb
 from common.data.shards import iter_samples
-from common.diffusion.text_conditioned import PROBE_TIMES, caption_errors
+from common.diffusion.text_conditioned import word_probe as shared_word_probe
 from common.run import evaluate
 from data import shapes
 from data.synth import caption as synth_caption
@@ -39,45 +39,33 @@ REAL_PER_CLASS = 32  # real held-out images per class for the reference spread
 MAX_SCANNED = 4096
 
 
-def _count(minimum: int, zero_ok: bool = False):
-    def parse(text: str) -> int:
-        n = int(text)
-        if n < minimum and not (zero_ok and n == 0):
-            raise argparse.ArgumentTypeError(f"{n}: must be {'0 or ' if zero_ok else ''}>= {minimum}")
-        return n
-    parse.__name__ = "int"  # argparse's message for a non-number: "invalid int value"
-    return parse
-
-
 def add_diversity_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--diversity", type=_count(2, zero_ok=True), default=8,
+    p.add_argument("--diversity", type=count_arg(2, zero_ok=True), default=8,
                    help="samples per prompt for the diversity figure (default 8; 0 skips it)")
-    p.add_argument("--diversity-classes", type=_count(1), default=4,
+    p.add_argument("--diversity-classes", type=count_arg(1), default=4,
                    help="held-out colour/shape classes it averages over (default 4)")
 
 
 def add_eval_args(p: argparse.ArgumentParser) -> None:
     add_diversity_args(p)
-    p.add_argument("--word-probe", type=_count(1, zero_ok=True), default=0, metavar="N",
+    p.add_argument("--word-probe", type=count_arg(1, zero_ok=True), default=0, metavar="N",
                    help="also probe whether the shape and colour words reach the denoiser, on the first N "
                         "held-out real images of data.synth (default 0: off; 64 is a useful figure)")
 
 
-PROBE_NOISES = 4  # noise draws per probe time: 5 x 4 forward passes per image and candidate caption
-
-
 def word_probe(args, comp, result) -> list[str]:
-    """Adds result["word_probe"]: per word (shape, colour) the share of held-out real images whose
-    own word gives the lowest denoising error among all words of its kind (caption_errors), overall
-    and per probe time."""
+    """Adds result["word_probe"]: whether the shape and colour words reach the denoiser
+    (common.diffusion.text_conditioned.word_probe) on the first held-out real images."""
     if args.word_probe == 0:
         return []
     decode = ImageDecoder(comp.cfg.model.image_size)
-    images, attrs = [], []
+    images, attrs, captions = [], [], []
     for sample in iter_samples(args.shards):
         a = read_attributes(sample)
         if {"shape", "colour", "template"} <= set(a) and image_bytes(sample) is not None:
-            images.append(decode(sample)["image"])
+            d = decode(sample)
+            images.append(d["image"])
+            captions.append(d["caption"])
             attrs.append(a)
             if len(images) == args.word_probe:
                 break
@@ -86,22 +74,15 @@ def word_probe(args, comp, result) -> list[str]:
                           "colour, template)")
     x0 = encode_images(comp, {"image": torch.stack(images), "__position__": torch.arange(len(images))},
                        torch.device("cpu"))
-    probe = {"n": len(images), "times": list(PROBE_TIMES), "noises": PROBE_NOISES}
-    line = []
-    for word, vocabulary in (("shape", shapes.SHAPES), ("colour", list(shapes.COLOURS))):
-        # The caption rebuilt from its template with the word swapped: articles follow the word.
-        choices = [[synth_caption({**a, word: w}, a["template"]) for w in vocabulary] for a in attrs]
-        errors = caption_errors(comp.model, comp.text_encoder, comp.objective, x0, choices, seed=args.seed,
-                                noises=PROBE_NOISES)
-        truth = torch.tensor([vocabulary.index(a[word]) for a in attrs])
-        per_t = (errors.argmin(1) == truth[:, None]).float().mean(0)
-        probe[word] = {"accuracy": float((errors.mean(2).argmin(1) == truth).float().mean()),
-                       "chance": 1 / len(vocabulary), "per_time": [round(float(v), 4) for v in per_t]}
-        line.append(f"{word} {probe[word]['accuracy']:.1%} (chance {1 / len(vocabulary):.1%}; per t "
-                    + " / ".join(f"{v:.0%}" for v in per_t) + ")")
-    result["word_probe"] = probe
-    return [f"word probe on {len(images)} held-out real images (lowest denoising error among swapped words, t = "
-            + "/".join(f"{t:g}" for t in PROBE_TIMES) + f", {PROBE_NOISES} noises each): " + ", ".join(line)]
+
+    def swapped(word):  # the caption rebuilt from its template: articles follow the word
+        return lambda a, w: synth_caption({**a, word: w}, a["template"])
+
+    result["word_probe"], line = shared_word_probe(
+        comp.model, comp.text_encoder, comp.objective, x0, attrs, captions,
+        {"shape": (shapes.SHAPES, swapped("shape")), "colour": (list(shapes.COLOURS), swapped("colour"))},
+        seed=args.seed, noun="images")
+    return [line]
 
 
 def extend(args, comp, examples, result) -> list[str]:

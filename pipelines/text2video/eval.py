@@ -13,8 +13,13 @@ phrase reversed in the caption ("moving up" -> "moving down", same noise): the s
 predictions that move as the reversed caption says is how far the caption steers motion at t
 (near 0% where the clip's own evidence wins or the caption is ignored).
 
+`--word-probe N` asks whether the motion, shape and colour words reach the denoiser at all: for the
+first N held-out clips, the model's denoising error under the clip's caption with the word swapped
+for each other word of its kind, the same noise for all; the share whose own word gives the lowest
+error (common.diffusion.text_conditioned.word_probe).
+
   python -m pipelines.text2video.eval --run RUN_DIR [--shards SPEC] [--num N] [--steps S] [--cfg W]
-                                      [--probe-t T1,T2,...]
+                                      [--probe-t T1,T2,...] [--word-probe N]
 """
 from __future__ import annotations
 
@@ -22,14 +27,17 @@ import argparse
 
 import torch
 
-from common.cli import run_cli
+from common.cli import count_arg, run_cli
 from common.config import ConfigError
 from common.data import ShardIndex, expand_shards
 from common.data.captions import read_attributes
+from common.data.shards import iter_samples
 from common.diffusion.text_conditioned import to_uint8
+from common.diffusion.text_conditioned import word_probe as shared_word_probe
 from common.run import evaluate
 from data.motion_analysis import score
-from data.synth_video import reverse_motion
+from data import shapes
+from data.synth_video import MOTIONS, reverse_motion, video_caption
 from pipelines.text2video.data import ClipDecoder
 from pipelines.text2video.spec import SPEC
 
@@ -95,6 +103,47 @@ def _noise_levels(text: str) -> list[float]:
 def _probe_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-t", type=_noise_levels, default=[], help="comma-separated noise levels in (0, 1] for "
                                                                       "the denoising probe (see above); empty: skip it")
+    p.add_argument("--word-probe", type=count_arg(1, zero_ok=True), default=0, metavar="N",
+                   help="also probe whether the motion, shape and colour words reach the denoiser, on the first N "
+                        "held-out clips of data.synth --video (default 0: off)")
+
+
+def _swapped(word: str):
+    """rewrite(attrs, w): the clip's caption with `word` set to w. Motion swaps only its phrase (a
+    rebuilt caption would also change the size word, which follows the motion)."""
+    if word == "motion":
+        return lambda a, w: video_caption(a, a["template"], a["phrase"]).replace(
+            MOTIONS[a["motion"]][a["phrase"]], MOTIONS[w][a["phrase"]])
+    return lambda a, w: video_caption({**a, word: w}, a["template"], a["phrase"])
+
+
+def word_probe(args, comp, result) -> list[str]:
+    """Adds result["word_probe"] (see the module's doc)."""
+    if args.word_probe == 0:
+        return []
+    frames, h, w = comp.pixel_clip_shape
+    decoder = ClipDecoder(frames, (h, w))
+    clips, attrs, captions = [], [], []
+    for sample in iter_samples(args.shards):
+        a = read_attributes(sample)
+        if {"motion", "shape", "colour", "template", "phrase"} <= set(a):
+            d = decoder(sample)
+            clips.append(d["video"])
+            captions.append(d["caption"])
+            attrs.append(a)
+            if len(clips) == args.word_probe:
+                break
+    if not clips:
+        raise ConfigError("--word-probe: the held-out shards have no clips with data.synth --video attributes "
+                          "(motion, shape, colour, template, phrase)")
+    x0 = torch.stack(clips)
+    if comp.vae is not None:
+        x0 = comp.vae.encode(x0).to(x0.dtype)
+    result["word_probe"], line = shared_word_probe(
+        comp.model, comp.text_encoder, comp.objective, x0, attrs, captions,
+        {"motion": (list(MOTIONS), _swapped("motion")), "shape": (shapes.SHAPES, _swapped("shape")),
+         "colour": (list(shapes.COLOURS), _swapped("colour"))}, seed=args.seed, noun="clips")
+    return [line]
 
 
 def _probe(args, comp, examples, result) -> list[str]:
@@ -116,7 +165,7 @@ def main(argv=None) -> int:
                     score=lambda clips, attrs: score(list(clips.numpy()), attrs),
                     report=lambda r: (f"colour accuracy {r['colour_acc']:.1%}, shape accuracy {r['shape_acc']:.1%}, "
                                       f"motion accuracy {r['motion_acc']:.1%}, all three {r['all_acc']:.1%}"),
-                    add_args=_probe_args, extend=_probe)
+                    add_args=_probe_args, extend=lambda *a: _probe(*a) + word_probe(a[0], a[1], a[3]))
 
 
 if __name__ == "__main__":

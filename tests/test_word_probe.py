@@ -1,5 +1,6 @@
-"""text2image eval's word probe (pipelines/text2image/eval.py) on the held-out synthetic shards,
-with stand-in denoisers whose answer is known: the captions it builds, the truth it scores against."""
+"""The eval word probes of text2image and text2video (common.diffusion.text_conditioned.word_probe)
+on held-out synthetic shards, with stand-in denoisers whose answer is known: the captions each
+pipeline builds (the true one must be the stored caption), the truth it scores against."""
 from __future__ import annotations
 
 import argparse
@@ -16,6 +17,8 @@ from common.data.shards import iter_samples
 from common.diffusion import RectifiedFlow
 from data import shapes
 from pipelines.text2image import eval as t2i_eval
+from pipelines.text2video import eval as t2v_eval
+from tests.conftest import shared_once
 
 
 class _KnownCaptions(torch.nn.Module):
@@ -39,7 +42,8 @@ class _FlowOracle(torch.nn.Module):
         self.clean = clean
 
     def forward(self, x_t, t, ctx, mask):
-        x0, tb = self.clean[ctx[:, 0].argmax(1)], t.view(-1, 1, 1, 1)
+        x0 = self.clean[ctx[:, 0].argmax(1)]
+        tb = t.view(-1, *[1] * (x0.dim() - 1))
         return (x_t - (1 - tb) * x0) / tb - x0
 
 
@@ -78,3 +82,42 @@ def test_word_probe_refuses_shards_without_synthetic_attributes(monkeypatch):
     monkeypatch.setattr(t2i_eval, "iter_samples", lambda _: iter([{"txt": b"a photo", "png": b""}]))
     with pytest.raises(ConfigError, match="--word-probe: the held-out shards have no images"):
         _probe("unused", None, None, 4)
+
+
+@pytest.fixture(scope="module")
+def heldout_clips(tmp_path_factory):
+    from data.synth_video import generate_video
+    return os.path.join(shared_once(tmp_path_factory, "synth-video-probe", lambda out: generate_video(
+        out, count=8, heldout_count=8, size=16, frames=4, shard_size=8, seed=0)), "heldout")
+
+
+def test_video_word_probe_reads_motion_shape_and_colour_of_an_oracle(heldout_clips):
+    from pipelines.text2video.data import ClipDecoder
+    samples = list(iter_samples(heldout_clips))
+    decoded = [ClipDecoder(4, (16, 16))(s) for s in samples]
+    clean = torch.stack([d["video"] for d in decoded] + [torch.zeros_like(decoded[0]["video"])])
+    comp = types.SimpleNamespace(pixel_clip_shape=(4, 16, 16), model=_FlowOracle(clean),
+                                 text_encoder=_KnownCaptions([d["caption"] for d in decoded]),
+                                 objective=RectifiedFlow(), vae=None)
+    result = {}
+    lines = t2v_eval.word_probe(argparse.Namespace(word_probe=8, shards=heldout_clips, seed=0), comp, result)
+    probe = result["word_probe"]
+    assert probe["n"] == 8 and "word probe on 8 held-out real clips" in lines[0]
+    for word in ("motion", "shape", "colour"):
+        assert probe[word]["accuracy"] == 1.0 and set(probe[word]["per_time"]) == {1.0}, probe
+    assert probe["motion"]["chance"] == pytest.approx(1 / 7)
+    # Swapping the motion changes its phrase only: the rest of the caption stays as stored.
+    a, caption = read_attributes(samples[0]), decoded[0]["caption"]
+    other = next(m for m in t2v_eval.MOTIONS if m != a["motion"])
+    swapped = t2v_eval._swapped("motion")(a, other)
+    assert swapped != caption and swapped.replace(t2v_eval.MOTIONS[other][a["phrase"]], "") == \
+        caption.replace(t2v_eval.MOTIONS[a["motion"]][a["phrase"]], "")
+
+
+def test_word_probe_refuses_a_rewrite_that_does_not_give_back_the_stored_caption():
+    from common.diffusion.text_conditioned import word_probe
+    attrs = [{"shape": "circle"}]
+    rewrite = lambda a, w: f"{w}"  # noqa: E731  (drops the article the stored caption has)
+    with pytest.raises(ValueError, match="not the item's caption 'a circle'"):
+        word_probe(None, None, RectifiedFlow(), torch.zeros(1, 3, 4, 4), attrs, ["a circle"],
+                   {"shape": (["circle", "square"], rewrite)})
