@@ -35,8 +35,8 @@ from common.data.shards import iter_samples
 from common.diffusion.text_conditioned import to_uint8
 from common.diffusion.text_conditioned import word_probe as shared_word_probe
 from common.run import evaluate
-from data.motion_analysis import score
 from data import shapes
+from data.motion_analysis import score
 from data.synth_video import MOTIONS, reverse_motion, video_caption
 from pipelines.text2video.data import ClipDecoder
 from pipelines.text2video.spec import SPEC
@@ -160,12 +160,16 @@ def _probe(args, comp, examples, result) -> list[str]:
             + ", ".join(f"t={t:g} {v:.1%}" for t, v in followed.items())]
 
 
+def _extras(args, comp, examples, result) -> list[str]:
+    return _probe(args, comp, examples, result) + word_probe(args, comp, result)
+
+
 def main(argv=None) -> int:
     return evaluate(SPEC, argv, __doc__, default_num=64, grid_max=16, needs="motion", data_hint="data.synth --video",
                     score=lambda clips, attrs: score(list(clips.numpy()), attrs),
                     report=lambda r: (f"colour accuracy {r['colour_acc']:.1%}, shape accuracy {r['shape_acc']:.1%}, "
                                       f"motion accuracy {r['motion_acc']:.1%}, all three {r['all_acc']:.1%}"),
-                    add_args=_probe_args, extend=lambda *a: _probe(*a) + word_probe(a[0], a[1], a[3]))
+                    add_args=_probe_args, extend=_extras)
 
 
 if __name__ == "__main__":
