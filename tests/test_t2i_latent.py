@@ -30,3 +30,8 @@ def test_train_and_sample_with_local_vae(synth_data, tmp_path):
     assert proc.returncode == 0, proc.stderr
     from PIL import Image
     assert Image.open(os.path.join(out, "00000.png")).size == (32, 32)  # decoded from 16x16x4 latents
+    # The word probe scores held-out images through the VAE (its posterior, as training does).
+    proc = run_module("pipelines.text2image.eval", "--run", run, "--num", "2", "--steps", "2", "--diversity", "0",
+                      "--word-probe", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert "word probe on 2 held-out real images" in proc.stdout
