@@ -20,6 +20,24 @@ def count_arg(minimum: int, zero_ok: bool = False) -> Callable[[str], int]:
     return parse
 
 
+def noise_levels_arg(allow_empty: bool = True) -> Callable[[str], list[float]]:
+    """An argparse `type` for comma-separated noise levels in (0, 1] (1: pure noise)."""
+    import argparse
+
+    def parse(text: str) -> list[float]:
+        try:
+            ts = [float(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected numbers like 0.6,0.9") from None
+        if any(not 0 < t <= 1 for t in ts):
+            raise argparse.ArgumentTypeError(f"{text!r}: every t must be in (0, 1]")
+        if not ts and not allow_empty:
+            raise argparse.ArgumentTypeError("give at least one noise level")
+        return ts
+    parse.__name__ = "noise levels"
+    return parse
+
+
 def user_error_types() -> tuple[type[BaseException], ...]:
     from common.checkpoint import CheckpointError
     from common.config import ConfigError

@@ -208,12 +208,14 @@ def test_run_dir_layout_mp4_sample_and_clis(video_data, tmp_path):
                for r in index)
     assert os.path.isfile(os.path.join(out, "grid.mp4")) and os.path.isfile(os.path.join(out, "grid.gif"))
 
-    proc = run_module("pipelines.text2video.eval", "--run", run, "--num", "2", "--steps", "2", "--word-probe", "2")
+    proc = run_module("pipelines.text2video.eval", "--run", run, "--num", "2", "--steps", "2", "--word-probe", "2",
+                      "--word-probe-times", "0.5,1")
     assert proc.returncode == 0, proc.stderr
     result = json.load(open(os.path.join(run, "eval.json")))
     assert result["n"] == 2 and 0.0 <= result["motion_acc"] <= 1.0 and "motion accuracy" in proc.stdout
     # The word probe on the real model (its figures are checked with oracles in test_word_probe.py).
     assert result["word_probe"]["n"] == 2 and "word probe on 2 held-out real clips" in proc.stdout
+    assert result["word_probe"]["times"] == [0.5, 1.0] and len(result["word_probe"]["motion"]["per_time"]) == 2
 
 
 @pytest.mark.slow

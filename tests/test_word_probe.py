@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import types
 
 import pytest
@@ -15,6 +16,7 @@ from common.data.captions import caption_of, read_attributes
 from common.data.images import ImageDecoder
 from common.data.shards import iter_samples
 from common.diffusion import RectifiedFlow
+from common.diffusion.text_conditioned import PROBE_TIMES
 from data import shapes
 from pipelines.text2image import eval as t2i_eval
 from pipelines.text2video import eval as t2v_eval
@@ -47,11 +49,12 @@ class _FlowOracle(torch.nn.Module):
         return (x_t - (1 - tb) * x0) / tb - x0
 
 
-def _probe(shards, model, tower, n):
+def _probe(shards, model, tower, n, times=PROBE_TIMES):
     comp = types.SimpleNamespace(cfg=types.SimpleNamespace(model=types.SimpleNamespace(image_size=32)),
                                  model=model, text_encoder=tower, objective=RectifiedFlow(), vae=None)
     result = {}
-    lines = t2i_eval.word_probe(argparse.Namespace(word_probe=n, shards=shards, seed=0), comp, result)
+    lines = t2i_eval.word_probe(argparse.Namespace(word_probe=n, shards=shards, seed=0, word_probe_times=times), comp,
+                                result)
     return result["word_probe"], lines
 
 
@@ -68,6 +71,10 @@ def test_word_probe_reads_the_stored_words_of_an_oracle_and_nothing_from_a_blind
     for word in ("shape", "colour"):
         assert probe[word]["accuracy"] == 1.0 and set(probe[word]["per_time"]) == {1.0}, probe
     assert "shape 100.0% (chance 16.7%" in lines[0] and "colour 100.0% (chance 12.5%" in lines[0]
+    # Up to pure noise (t = 1), where the oracle's prediction is set by the caption alone.
+    probe, lines = _probe(shards, _FlowOracle(clean), _KnownCaptions(captions), 8, times=[0.9, 1.0])
+    assert probe["times"] == [0.9, 1.0] and probe["shape"]["per_time"] == [1.0, 1.0], probe
+    assert "t = 0.9/1," in lines[0]
 
     # Caption-blind: every candidate gets the same error, the argmin is the first word, and the
     # figure is the share of images whose word happens to be first, not 100%.
@@ -100,7 +107,8 @@ def test_video_word_probe_reads_motion_shape_and_colour_of_an_oracle(heldout_cli
                                  text_encoder=_KnownCaptions([d["caption"] for d in decoded]),
                                  objective=RectifiedFlow(), vae=None)
     result = {}
-    lines = t2v_eval.word_probe(argparse.Namespace(word_probe=8, shards=heldout_clips, seed=0), comp, result)
+    lines = t2v_eval.word_probe(argparse.Namespace(word_probe=8, shards=heldout_clips, seed=0,
+                                                   word_probe_times=PROBE_TIMES), comp, result)
     probe = result["word_probe"]
     assert probe["n"] == 8 and "word probe on 8 held-out real clips" in lines[0]
     for word in ("motion", "shape", "colour"):
@@ -121,3 +129,11 @@ def test_word_probe_refuses_a_rewrite_that_does_not_give_back_the_stored_caption
     with pytest.raises(ValueError, match="not the item's caption 'a circle'"):
         word_probe(None, None, RectifiedFlow(), torch.zeros(1, 3, 4, 4), attrs, ["a circle"],
                    {"shape": (["circle", "square"], rewrite)})
+
+
+def test_noise_level_lists_are_checked_at_the_command_line():
+    from common.cli import noise_levels_arg
+    assert noise_levels_arg()("0.6, 0.9,1") == [0.6, 0.9, 1.0] and noise_levels_arg()("") == []
+    for text, message in (("", "at least one"), ("0,0.5", "(0, 1]"), ("0.5,1.2", "(0, 1]"), ("x", "numbers")):
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(message)):
+            noise_levels_arg(allow_empty=False)(text)

@@ -204,13 +204,13 @@ def caption_errors(model, text_encoder, objective, x0: torch.Tensor, choices: li
 
 def word_probe(model, text_encoder, objective, x0: torch.Tensor, attrs: list[dict], captions: list[str],
                words: dict[str, tuple[list[str], Callable[[dict, str], str]]], *, seed: int = 0,
-               noises: int = 4, noun: str = "items") -> tuple[dict, str]:
+               times=PROBE_TIMES, noises: int = 4, noun: str = "items") -> tuple[dict, str]:
     """Does each attribute word reach the denoiser? words[word] = (its vocabulary, rewrite(item's
     attributes, another word) -> the item's caption with that word instead of its own). For each
     word, every item is scored under each word of the vocabulary (caption_errors); the figure is
     the share of items whose own word gives the lowest error, overall (errors averaged over times)
     and per probe time. Returns (the figures, a one-line summary)."""
-    probe: dict = {"n": len(attrs), "times": list(PROBE_TIMES), "noises": noises}
+    probe: dict = {"n": len(attrs), "times": list(times), "noises": noises}
     parts = []
     for word, (vocabulary, rewrite) in words.items():
         choices = [[rewrite(a, w) for w in vocabulary] for a in attrs]
@@ -219,14 +219,14 @@ def word_probe(model, text_encoder, objective, x0: torch.Tensor, attrs: list[dic
             if row[i] != caption:  # else the probe would score captions the model was not trained on
                 raise ValueError(f"word probe: rewriting {word} to its own value gives {row[i]!r}, not the item's "
                                  f"caption {caption!r}")
-        errors = caption_errors(model, text_encoder, objective, x0, choices, seed=seed, noises=noises)
+        errors = caption_errors(model, text_encoder, objective, x0, choices, seed=seed, times=times, noises=noises)
         per_t = (errors.argmin(1) == truth[:, None]).float().mean(0)
         probe[word] = {"accuracy": float((errors.mean(2).argmin(1) == truth).float().mean()),
                        "chance": 1 / len(vocabulary), "per_time": [round(float(v), 4) for v in per_t]}
         parts.append(f"{word} {probe[word]['accuracy']:.1%} (chance {1 / len(vocabulary):.1%}; per t "
                      + " / ".join(f"{v:.0%}" for v in per_t) + ")")
     line = (f"word probe on {len(attrs)} held-out real {noun} (lowest denoising error among swapped words, t = "
-            + "/".join(f"{t:g}" for t in PROBE_TIMES) + f", {noises} noises each): " + ", ".join(parts))
+            + "/".join(f"{t:g}" for t in times) + f", {noises} noises each): " + ", ".join(parts))
     return probe, line
 
 

@@ -20,11 +20,12 @@ import argparse
 import numpy as np
 import torch
 
-from common.cli import count_arg, run_cli
+from common.cli import count_arg, noise_levels_arg, run_cli
 from common.config import ConfigError
 from common.data.captions import read_attributes
 from common.data.images import ImageDecoder, image_bytes, open_rgb
 from common.data.shards import iter_samples
+from common.diffusion.text_conditioned import PROBE_TIMES
 from common.diffusion.text_conditioned import word_probe as shared_word_probe
 from common.run import evaluate
 from data import shapes
@@ -51,6 +52,9 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--word-probe", type=count_arg(1, zero_ok=True), default=0, metavar="N",
                    help="also probe whether the shape and colour words reach the denoiser, on the first N "
                         "held-out real images of data.synth (default 0: off; 64 is a useful figure)")
+    p.add_argument("--word-probe-times", type=noise_levels_arg(allow_empty=False), default=list(PROBE_TIMES), metavar="T1,T2,...",
+                   help="the word probe's noise levels (default " + ",".join(f"{t:g}" for t in PROBE_TIMES)
+                        + "; 1 asks whether the word sets the prediction from pure noise)")
 
 
 def word_probe(args, comp, result) -> list[str]:
@@ -81,7 +85,7 @@ def word_probe(args, comp, result) -> list[str]:
     result["word_probe"], line = shared_word_probe(
         comp.model, comp.text_encoder, comp.objective, x0, attrs, captions,
         {"shape": (shapes.SHAPES, swapped("shape")), "colour": (list(shapes.COLOURS), swapped("colour"))},
-        seed=args.seed, noun="images")
+        seed=args.seed, times=args.word_probe_times, noun="images")
     return [line]
 
 

@@ -27,12 +27,12 @@ import argparse
 
 import torch
 
-from common.cli import count_arg, run_cli
+from common.cli import count_arg, noise_levels_arg, run_cli
 from common.config import ConfigError
 from common.data import ShardIndex, expand_shards
 from common.data.captions import read_attributes
 from common.data.shards import iter_samples
-from common.diffusion.text_conditioned import to_uint8
+from common.diffusion.text_conditioned import PROBE_TIMES, to_uint8
 from common.diffusion.text_conditioned import word_probe as shared_word_probe
 from common.run import evaluate
 from data import shapes
@@ -90,22 +90,15 @@ def denoise_probe(comp, model, spec: str, n: int, ts, seed: int = 0, batch_size:
     return out
 
 
-def _noise_levels(text: str) -> list[float]:
-    try:
-        ts = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected numbers like 0.6,0.9") from None
-    if any(not 0 < t <= 1 for t in ts):
-        raise argparse.ArgumentTypeError(f"{text!r}: every t must be in (0, 1]")
-    return ts
-
-
 def _probe_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--probe-t", type=_noise_levels, default=[], help="comma-separated noise levels in (0, 1] for "
+    p.add_argument("--probe-t", type=noise_levels_arg(), default=[], help="comma-separated noise levels in (0, 1] for "
                                                                       "the denoising probe (see above); empty: skip it")
     p.add_argument("--word-probe", type=count_arg(1, zero_ok=True), default=0, metavar="N",
                    help="also probe whether the motion, shape and colour words reach the denoiser, on the first N "
                         "held-out clips of data.synth --video (default 0: off)")
+    p.add_argument("--word-probe-times", type=noise_levels_arg(allow_empty=False), default=list(PROBE_TIMES), metavar="T1,T2,...",
+                   help="the word probe's noise levels (default " + ",".join(f"{t:g}" for t in PROBE_TIMES)
+                        + "; 1 asks whether the word sets the prediction from pure noise)")
 
 
 def _swapped(word: str):
@@ -142,7 +135,8 @@ def word_probe(args, comp, result) -> list[str]:
     result["word_probe"], line = shared_word_probe(
         comp.model, comp.text_encoder, comp.objective, x0, attrs, captions,
         {"motion": (list(MOTIONS), _swapped("motion")), "shape": (shapes.SHAPES, _swapped("shape")),
-         "colour": (list(shapes.COLOURS), _swapped("colour"))}, seed=args.seed, noun="clips")
+         "colour": (list(shapes.COLOURS), _swapped("colour"))}, seed=args.seed, times=args.word_probe_times,
+        noun="clips")
     return [line]
 
 
