@@ -182,6 +182,19 @@ def _add_generation_args(p: argparse.ArgumentParser, noun: str) -> None:
     p.add_argument("--seed", type=int, default=0, help=f"seed of the first {noun}; {noun} i uses seed + i")
 
 
+def add_word_probe_args(p: argparse.ArgumentParser, words: str, data: str) -> None:
+    """eval.py's --word-probe N and --word-probe-times (common.diffusion.text_conditioned.word_probe)."""
+    from common.cli import count_arg, noise_levels_arg
+    from common.diffusion.text_conditioned import PROBE_TIMES
+    p.add_argument("--word-probe", type=count_arg(1, zero_ok=True), default=0, metavar="N",
+                   help=f"also probe whether the {words} words reach the denoiser, on the first N held-out real "
+                        f"{data} samples (default 0: off; 64 is a useful figure)")
+    p.add_argument("--word-probe-times", type=noise_levels_arg(allow_empty=False), default=list(PROBE_TIMES),
+                   metavar="T1,T2,...", help="the word probe's noise levels (default "
+                   + ",".join(f"{t:g}" for t in PROBE_TIMES) + "; 1 asks whether the word sets the prediction "
+                   "from pure noise)")
+
+
 def _generation(comp, args) -> tuple[int, float]:
     return args.steps or comp.cfg.sample.steps, comp.cfg.sample.cfg if args.cfg is None else args.cfg
 

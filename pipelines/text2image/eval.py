@@ -20,14 +20,13 @@ import argparse
 import numpy as np
 import torch
 
-from common.cli import count_arg, noise_levels_arg, run_cli
+from common.cli import count_arg, run_cli
 from common.config import ConfigError
 from common.data.captions import read_attributes
 from common.data.images import ImageDecoder, image_bytes, open_rgb
 from common.data.shards import iter_samples
-from common.diffusion.text_conditioned import PROBE_TIMES
 from common.diffusion.text_conditioned import word_probe as shared_word_probe
-from common.run import evaluate
+from common.run import add_word_probe_args, evaluate
 from data import shapes
 from data.synth import caption as synth_caption
 from data.shape_analysis import MIN_SPREAD, diversity_ratio, drawn_summary, mean_pairwise_distance, score
@@ -49,12 +48,7 @@ def add_diversity_args(p: argparse.ArgumentParser) -> None:
 
 def add_eval_args(p: argparse.ArgumentParser) -> None:
     add_diversity_args(p)
-    p.add_argument("--word-probe", type=count_arg(1, zero_ok=True), default=0, metavar="N",
-                   help="also probe whether the shape and colour words reach the denoiser, on the first N "
-                        "held-out real images of data.synth (default 0: off; 64 is a useful figure)")
-    p.add_argument("--word-probe-times", type=noise_levels_arg(allow_empty=False), default=list(PROBE_TIMES), metavar="T1,T2,...",
-                   help="the word probe's noise levels (default " + ",".join(f"{t:g}" for t in PROBE_TIMES)
-                        + "; 1 asks whether the word sets the prediction from pure noise)")
+    add_word_probe_args(p, "shape and colour", "data.synth")
 
 
 def word_probe(args, comp, result) -> list[str]:

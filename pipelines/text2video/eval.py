@@ -27,14 +27,14 @@ import argparse
 
 import torch
 
-from common.cli import count_arg, noise_levels_arg, run_cli
+from common.cli import noise_levels_arg, run_cli
 from common.config import ConfigError
 from common.data import ShardIndex, expand_shards
 from common.data.captions import read_attributes
 from common.data.shards import iter_samples
-from common.diffusion.text_conditioned import PROBE_TIMES, to_uint8
+from common.diffusion.text_conditioned import to_uint8
 from common.diffusion.text_conditioned import word_probe as shared_word_probe
-from common.run import evaluate
+from common.run import add_word_probe_args, evaluate
 from data import shapes
 from data.motion_analysis import score
 from data.synth_video import MOTIONS, reverse_motion, video_caption
@@ -91,14 +91,9 @@ def denoise_probe(comp, model, spec: str, n: int, ts, seed: int = 0, batch_size:
 
 
 def _probe_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--probe-t", type=noise_levels_arg(), default=[], help="comma-separated noise levels in (0, 1] for "
-                                                                      "the denoising probe (see above); empty: skip it")
-    p.add_argument("--word-probe", type=count_arg(1, zero_ok=True), default=0, metavar="N",
-                   help="also probe whether the motion, shape and colour words reach the denoiser, on the first N "
-                        "held-out clips of data.synth --video (default 0: off)")
-    p.add_argument("--word-probe-times", type=noise_levels_arg(allow_empty=False), default=list(PROBE_TIMES), metavar="T1,T2,...",
-                   help="the word probe's noise levels (default " + ",".join(f"{t:g}" for t in PROBE_TIMES)
-                        + "; 1 asks whether the word sets the prediction from pure noise)")
+    p.add_argument("--probe-t", type=noise_levels_arg(), default=[],
+                   help="comma-separated noise levels in (0, 1] for the denoising probe (see above); empty: skip it")
+    add_word_probe_args(p, "motion, shape and colour", "data.synth --video")
 
 
 def _swapped(word: str):
