@@ -25,6 +25,12 @@ if __name__ == "__main__":
 
         parents = set(int(p) for p in tud.DataLoader(Parents(), batch_size=None, num_workers=2))
         print(f"workers_are_children={parents == {os.getpid()}}")
+    elif action == "rendezvous":  # rank 0 hosts the store on MASTER_PORT
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        dist.barrier()
+        print(f"port={os.environ['MASTER_PORT']}")
+        dist.destroy_process_group()
     elif action == "raise":
         raise RuntimeError("probe failed")
     elif action == "sleep":

@@ -163,6 +163,17 @@ def run(cmd: list[str], env: dict, cwd: str, timeout: float) -> subprocess.Compl
     if parsed is None:
         return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     module, args, nproc = parsed
+    for _ in range(3):
+        proc = _forked(cmd, module, args, nproc, env, cwd, timeout)
+        # The store's port was free when picked and taken (by another test's sockets) before rank 0
+        # bound it: the ranks stopped at rendezvous, before any work; a new port, as a relaunch would.
+        if proc.returncode == 0 or nproc == 1 or "EADDRINUSE" not in proc.stderr:
+            break
+    return proc
+
+
+def _forked(cmd, module: str, args: list[str], nproc: int, env: dict, cwd: str,
+            timeout: float) -> subprocess.CompletedProcess:
     ctx = _mp_context(env)
     with tempfile.TemporaryDirectory(prefix="forked-run-") as tmp:
         port = free_port()

@@ -69,6 +69,20 @@ def test_ranks_get_torchrun_variables_and_a_failing_rank_stops_the_job():
     assert time.monotonic() - t0 < 30  # rank 0 (asleep for 600 s) was stopped
 
 
+def test_a_store_port_taken_before_rank_0_binds_it_gets_a_new_port(monkeypatch):
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        ports = [busy]  # what free_port hands out first: already in use
+        real = forked_runs.free_port
+        monkeypatch.setattr(forked_runs, "free_port", lambda: ports.pop() if ports else real())
+        proc = probe("rendezvous", nproc=2)
+    assert proc.returncode == 0, proc.stderr
+    assert not ports and f"port={busy}" not in proc.stdout and proc.stdout.count("port=") == 2
+
+
 def test_timeout_stops_the_run():
     with pytest.raises(subprocess.TimeoutExpired):
         probe("sleep", timeout=2)
