@@ -4,6 +4,7 @@ pipeline builds (the true one must be the stored caption), the truth it scores a
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import types
@@ -86,9 +87,23 @@ def test_word_probe_reads_the_stored_words_of_an_oracle_and_nothing_from_a_blind
 
 
 def test_word_probe_refuses_shards_without_synthetic_attributes(monkeypatch):
-    monkeypatch.setattr(t2i_eval, "iter_samples", lambda _: iter([{"txt": b"a photo", "png": b""}]))
-    with pytest.raises(ConfigError, match="--word-probe: the held-out shards have no images"):
+    monkeypatch.setattr("common.data.shards.iter_samples", lambda _: iter([{"txt": b"a photo", "png": b""}]))
+    with pytest.raises(ConfigError, match=r"--word-probe \(data.synth images\): the held-out shards have no samples"):
         _probe("unused", None, None, 4)
+
+
+def test_first_decoded_skips_unqualified_samples_and_stops_at_n(monkeypatch):
+    from common.data.captions import first_decoded
+
+    def sample(i, **attrs):
+        return {"txt": f"c{i}".encode(), "json": json.dumps(attrs).encode(), "i": i}
+    stream = [sample(0), sample(1, shape="disc"), sample(2, shape="disc", colour="red"),
+              sample(3, shape="disc", colour="red"), sample(4, shape="disc", colour="red"),
+              sample(5, shape="disc", colour="red")]
+    monkeypatch.setattr("common.data.shards.iter_samples", lambda _: iter(stream))
+    decode = (lambda s: None if s["i"] == 3 else {"caption": caption_of(s), "x": torch.full((2,), float(s["i"]))})
+    x, attrs, captions = first_decoded("unused", 2, {"shape", "colour"}, decode, "x", "--opt")
+    assert captions == ["c2", "c4"] and x[:, 0].tolist() == [2.0, 4.0] and attrs[0] == {"shape": "disc", "colour": "red"}
 
 
 @pytest.fixture(scope="module")

@@ -45,3 +45,30 @@ def first_examples(spec: str, n: int) -> list[tuple[str, dict]]:
             break
         out.append((caption_of(s), read_attributes(s)))
     return out
+
+
+def first_decoded(spec: str, n: int, required: set[str], decode, key: str, what: str):
+    """The first n samples of some shards (shard order) whose attributes hold every `required` key,
+    decoded: (decode(s)[key] stacked, their attributes, their captions). A sample decode returns
+    None for is skipped. ConfigError when none qualifies; `what` names the option that asked."""
+    import torch
+
+    from common.config import ConfigError
+    from common.data.shards import iter_samples
+    tensors, attrs, captions = [], [], []
+    for s in iter_samples(spec):
+        if len(tensors) == n:
+            break
+        a = read_attributes(s)
+        if not required <= set(a):
+            continue
+        d = decode(s)
+        if d is None:
+            continue
+        tensors.append(d[key])
+        captions.append(d["caption"])
+        attrs.append(a)
+    if not tensors:
+        raise ConfigError(f"{what}: the held-out shards have no samples with the attributes "
+                          f"{', '.join(sorted(required))}")
+    return torch.stack(tensors), attrs, captions

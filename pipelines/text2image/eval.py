@@ -22,7 +22,7 @@ import torch
 
 from common.cli import count_arg, run_cli
 from common.config import ConfigError
-from common.data.captions import read_attributes
+from common.data.captions import first_decoded, read_attributes
 from common.data.images import ImageDecoder, image_bytes, open_rgb
 from common.data.shards import iter_samples
 from common.diffusion.text_conditioned import word_probe as shared_word_probe
@@ -57,20 +57,10 @@ def word_probe(args, comp, result) -> list[str]:
     if args.word_probe == 0:
         return []
     decode = ImageDecoder(comp.cfg.model.image_size)
-    images, attrs, captions = [], [], []
-    for sample in iter_samples(args.shards):
-        a = read_attributes(sample)
-        if {"shape", "colour", "template"} <= set(a) and image_bytes(sample) is not None:
-            d = decode(sample)
-            images.append(d["image"])
-            captions.append(d["caption"])
-            attrs.append(a)
-            if len(images) == args.word_probe:
-                break
-    if not images:
-        raise ConfigError("--word-probe: the held-out shards have no images with data.synth attributes (shape, "
-                          "colour, template)")
-    x0 = encode_images(comp, {"image": torch.stack(images), "__position__": torch.arange(len(images))},
+    images, attrs, captions = first_decoded(
+        args.shards, args.word_probe, {"shape", "colour", "template"},
+        lambda s: decode(s) if image_bytes(s) is not None else None, "image", "--word-probe (data.synth images)")
+    x0 = encode_images(comp, {"image": images, "__position__": torch.arange(len(images))},
                        torch.device("cpu"))
 
     def swapped(word):  # the caption rebuilt from its template: articles follow the word

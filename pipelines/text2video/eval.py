@@ -30,7 +30,7 @@ import torch
 from common.cli import noise_levels_arg, run_cli
 from common.config import ConfigError
 from common.data import ShardIndex, expand_shards
-from common.data.captions import read_attributes
+from common.data.captions import first_decoded, read_attributes
 from common.data.shards import iter_samples
 from common.diffusion.text_conditioned import to_uint8
 from common.diffusion.text_conditioned import word_probe as shared_word_probe
@@ -111,20 +111,9 @@ def word_probe(args, comp, result) -> list[str]:
         return []
     frames, h, w = comp.pixel_clip_shape
     decoder = ClipDecoder(frames, (h, w))
-    clips, attrs, captions = [], [], []
-    for sample in iter_samples(args.shards):
-        a = read_attributes(sample)
-        if {"motion", "shape", "colour", "template", "phrase"} <= set(a):
-            d = decoder(sample)
-            clips.append(d["video"])
-            captions.append(d["caption"])
-            attrs.append(a)
-            if len(clips) == args.word_probe:
-                break
-    if not clips:
-        raise ConfigError("--word-probe: the held-out shards have no clips with data.synth --video attributes "
-                          "(motion, shape, colour, template, phrase)")
-    x0 = torch.stack(clips)
+    x0, attrs, captions = first_decoded(
+        args.shards, args.word_probe, {"motion", "shape", "colour", "template", "phrase"}, decoder, "video",
+        "--word-probe (data.synth --video clips)")
     if comp.vae is not None:
         x0 = comp.vae.encode(x0).to(x0.dtype)
     result["word_probe"], line = shared_word_probe(
