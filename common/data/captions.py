@@ -49,8 +49,8 @@ def first_examples(spec: str, n: int) -> list[tuple[str, dict]]:
 
 def first_decoded(spec: str, n: int, required: set[str], decode, key: str, what: str):
     """The first n samples of some shards (shard order) whose attributes hold every `required` key,
-    decoded: (decode(s)[key] stacked, their attributes, their captions). A sample decode returns
-    None for is skipped. ConfigError when none qualifies; `what` names the option that asked."""
+    decoded: (decode(s)[key] stacked, their attributes, their captions). Samples for which decode
+    returns None are skipped. ConfigError when none qualifies; `what` names the option that asked."""
     import torch
 
     from common.config import ConfigError
