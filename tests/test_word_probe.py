@@ -92,15 +92,18 @@ def test_word_probe_refuses_shards_without_synthetic_attributes(monkeypatch):
         _probe("unused", None, None, 4)
 
 
-def test_first_decoded_skips_unqualified_samples_and_stops_at_n(monkeypatch):
+def test_first_decoded_skips_unqualified_samples_and_stops_at_the_nth(monkeypatch):
     from common.data.captions import first_decoded
 
     def sample(i, **attrs):
         return {"txt": f"c{i}".encode(), "json": json.dumps(attrs).encode(), "i": i}
     stream = [sample(0), sample(1, shape="disc"), sample(2, shape="disc", colour="red"),
-              sample(3, shape="disc", colour="red"), sample(4, shape="disc", colour="red"),
-              sample(5, shape="disc", colour="red")]
-    monkeypatch.setattr("common.data.shards.iter_samples", lambda _: iter(stream))
+              sample(3, shape="disc", colour="red"), sample(4, shape="disc", colour="red")]
+
+    def samples(_):
+        yield from stream
+        raise AssertionError("read a sample past the n-th that qualifies")
+    monkeypatch.setattr("common.data.shards.iter_samples", samples)
     decode = (lambda s: None if s["i"] == 3 else {"caption": caption_of(s), "x": torch.full((2,), float(s["i"]))})
     x, attrs, captions = first_decoded("unused", 2, {"shape", "colour"}, decode, "x", "--opt")
     assert captions == ["c2", "c4"] and x[:, 0].tolist() == [2.0, 4.0] and attrs[0] == {"shape": "disc", "colour": "red"}

@@ -57,8 +57,6 @@ def first_decoded(spec: str, n: int, required: set[str], decode, key: str, what:
     from common.data.shards import iter_samples
     tensors, attrs, captions = [], [], []
     for s in iter_samples(spec):
-        if len(tensors) == n:
-            break
         a = read_attributes(s)
         if not required <= set(a):
             continue
@@ -68,6 +66,8 @@ def first_decoded(spec: str, n: int, required: set[str], decode, key: str, what:
         tensors.append(d[key])
         captions.append(d["caption"])
         attrs.append(a)
+        if len(tensors) == n:  # before the next read: the shards may be remote
+            break
     if not tensors:
         raise ConfigError(f"{what}: the held-out shards have no samples with the attributes "
                           f"{', '.join(sorted(required))}")
