@@ -249,6 +249,9 @@ def evaluate(spec: PipelineSpec, argv=None, doc: str = "", *, default_num: int, 
     p.add_argument("--shards", default=None, help="held-out shards (default: the run's data.eval_shards)")
     p.add_argument("--num", type=int, default=default_num, help=f"held-out prompts to generate (default {default_num})")
     _add_generation_args(p, spec.media_noun.rstrip("s"))
+    p.add_argument("--checkpoint", default=None, help="a specific checkpoint directory, e.g. RUN/checkpoints/"
+                                                      "step_00001200 (default: the run's latest; eval.json records "
+                                                      "which it scored)")
     p.add_argument("--save-grid", default=None, help=f"also write the first {grid_max} generated {spec.media_noun} "
                                                      "as a grid at this path")
     if add_args:
@@ -256,7 +259,7 @@ def evaluate(spec: PipelineSpec, argv=None, doc: str = "", *, default_num: int, 
     args = p.parse_args(argv)
     if args.num < 1:
         raise ConfigError("--num must be >= 1")
-    comp, meta = load_run(spec, args.run)
+    comp, meta = load_run(spec, args.run, args.checkpoint)
     if args.shards is None:
         args.shards = comp.cfg.data.eval_shards
     examples = first_examples(args.shards, args.num)

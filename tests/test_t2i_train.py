@@ -75,6 +75,14 @@ def test_run_dir_layout_and_sample_eval_clis(synth_data, tmp_path):
     expected = score(images, [a for _, a in examples])
     assert {k: result[k] for k in expected} == expected, (result, expected)
 
+    # An earlier checkpoint by --checkpoint, recorded as such.
+    earlier = os.path.join(run, "checkpoints", "step_00000003")
+    proc = run_module("pipelines.text2image.eval", "--run", run, "--checkpoint", earlier, "--num", "2", "--steps",
+                      "2", "--diversity", "0")
+    assert proc.returncode == 0, proc.stderr
+    result = json.load(open(os.path.join(run, "eval.json")))
+    assert result["step"] == 3 and os.path.samefile(result["checkpoint"], earlier) and "(step 3)" in proc.stdout
+
 
 def test_resume_after_kill_is_bitwise_identical(synth_data, tmp_path):
     full, killed = str(tmp_path / "full"), str(tmp_path / "killed")

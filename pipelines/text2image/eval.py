@@ -14,6 +14,7 @@ image's own caption, the same noise for all; the share whose lowest error is the
 tells a word that does not reach the denoiser from a shape the sampler cannot draw yet.
 
   python -m pipelines.text2image.eval --run RUN_DIR [--shards SPEC] [--num N] [--steps S] [--cfg W]
+                                      [--checkpoint DIR]
 """
 import argparse
 

@@ -19,7 +19,7 @@ for each other word of its kind, the same noise for all; the share whose own wor
 error (common.diffusion.text_conditioned.word_probe).
 
   python -m pipelines.text2video.eval --run RUN_DIR [--shards SPEC] [--num N] [--steps S] [--cfg W]
-                                      [--probe-t T1,T2,...] [--word-probe N]
+                                      [--checkpoint DIR] [--probe-t T1,T2,...] [--word-probe N]
 """
 from __future__ import annotations
 
