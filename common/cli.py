@@ -20,6 +20,12 @@ def count_arg(minimum: int, zero_ok: bool = False) -> Callable[[str], int]:
     return parse
 
 
+def add_checkpoint_arg(p) -> None:
+    """--checkpoint DIR of the commands that load a run (sample, eval, export)."""
+    p.add_argument("--checkpoint", default=None, help="a specific checkpoint directory, e.g. RUN/checkpoints/"
+                                                      "step_00001200 (default: the run's latest)")
+
+
 def noise_levels_arg(allow_empty: bool = True) -> Callable[[str], list[float]]:
     """An argparse `type` for comma-separated noise levels in (0, 1] (1: pure noise)."""
     import argparse

@@ -19,6 +19,7 @@ import torch
 
 from common import dist as mdist
 from common.checkpoint import CheckpointError, load_for_inference
+from common.cli import add_checkpoint_arg
 from common.config import ConfigError, from_yaml_file, parse_cli
 from common.data import StreamingLoader
 from common.data.captions import first_examples
@@ -211,7 +212,7 @@ def sample(spec: PipelineSpec, argv=None, doc: str = "") -> int:
     p.add_argument("--num", type=int, default=1, help=f"{spec.media_noun} per prompt (default 1)")
     _add_generation_args(p, noun)
     dests = [p.add_argument(*flags, **kw).dest for flags, kw in spec.sample_options]
-    p.add_argument("--checkpoint", default=None, help="a specific checkpoint directory (default: latest)")
+    add_checkpoint_arg(p)
     args = p.parse_args(argv)
     if args.num < 1:
         raise ConfigError("--num must be >= 1")
@@ -249,9 +250,7 @@ def evaluate(spec: PipelineSpec, argv=None, doc: str = "", *, default_num: int, 
     p.add_argument("--shards", default=None, help="held-out shards (default: the run's data.eval_shards)")
     p.add_argument("--num", type=int, default=default_num, help=f"held-out prompts to generate (default {default_num})")
     _add_generation_args(p, spec.media_noun.rstrip("s"))
-    p.add_argument("--checkpoint", default=None, help="a specific checkpoint directory, e.g. RUN/checkpoints/"
-                                                      "step_00001200 (default: the run's latest; eval.json records "
-                                                      "which it scored)")
+    add_checkpoint_arg(p)
     p.add_argument("--save-grid", default=None, help=f"also write the first {grid_max} generated {spec.media_noun} "
                                                      "as a grid at this path")
     if add_args:

@@ -9,6 +9,8 @@ import os
 import shutil
 from typing import Callable
 
+from common.cli import add_checkpoint_arg
+
 __all__ = ["checkpoint_has_ema", "resolve_run_checkpoint", "check_out_folder", "describe_weights", "save_folder",
            "export_main"]
 
@@ -82,7 +84,7 @@ def export_main(argv, *, prog: str, doc: str, load_spec: Callable, build_pipelin
     p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", required=True, help="run directory (config.yaml and checkpoints/)")
     p.add_argument("--out", required=True, help="pipeline folder to write (must not exist or be empty)")
-    p.add_argument("--checkpoint", default=None, help="a specific checkpoint directory (default: the run's latest)")
+    add_checkpoint_arg(p)
     p.add_argument("--weights", choices=("ema", "trained"), default="ema",
                    help="ema (default): the checkpoint's EMA copy, or the trained weights where it has none")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")

@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from common.cli import count_arg, run_cli
-from common.config import ConfigError
 from common.data.captions import first_decoded, read_attributes
 from common.data.images import ImageDecoder, image_bytes, open_rgb
 from common.data.shards import iter_samples

@@ -31,7 +31,6 @@ from common.cli import noise_levels_arg, run_cli
 from common.config import ConfigError
 from common.data import ShardIndex, expand_shards
 from common.data.captions import first_decoded, read_attributes
-from common.data.shards import iter_samples
 from common.diffusion.text_conditioned import to_uint8
 from common.diffusion.text_conditioned import word_probe as shared_word_probe
 from common.run import add_word_probe_args, evaluate

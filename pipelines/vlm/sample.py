@@ -16,7 +16,7 @@ import os
 
 from PIL import Image, UnidentifiedImageError
 
-from common.cli import run_cli
+from common.cli import add_checkpoint_arg, run_cli
 from common.config import ConfigError
 from common.run import load_run
 from pipelines.vlm.components import answer
@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt", action="append", required=True, help="the question (repeatable: one per --image)")
     p.add_argument("--out", default=None, help="also write the answers to this JSONL file")
     p.add_argument("--max-new-tokens", type=int, default=32, help="longest answer (default 32)")
-    p.add_argument("--checkpoint", default=None, help="a specific checkpoint directory (default: latest)")
+    add_checkpoint_arg(p)
     args = p.parse_args(argv)
     prompts = args.prompt if len(args.prompt) == len(args.image) else None
     if prompts is None:
