@@ -86,7 +86,8 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _fsync_write(path: str, text: str) -> None:
+def write_text_durably(path: str, text: str) -> None:
+    """path holds the old text or the whole new text, never a part, also across a power cut."""
     tmp = path + ".partial"
     with open(tmp, "w") as f:
         f.write(text)
@@ -110,7 +111,7 @@ def _write_rng(path: str, rank: int, tensors: dict[str, torch.Tensor], info: dic
         torch.save(tensors, f)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_write(js, json.dumps(info))
+    write_text_durably(js, json.dumps(info))
 
 
 def _read_rng(path: str, rank: int) -> tuple[dict[str, torch.Tensor], dict] | None:
@@ -150,7 +151,7 @@ def convert_legacy_rng(path: str) -> int:
             f.flush()
             os.fsync(f.fileno())
         os.replace(partial, os.path.join(path, name))
-        _fsync_write(_rng_files(path, int(m.group(1)))[1], json.dumps(info))
+        write_text_durably(_rng_files(path, int(m.group(1)))[1], json.dumps(info))
         done += 1
     return done
 
@@ -326,7 +327,7 @@ class CheckpointManager:
     def _finalize(self, tmp: str, final: str, name: str, full_meta: dict) -> None:
         """Rank 0, once every rank's data is in `tmp`: meta.json, rename, latest, retention."""
         # meta.json's fsync also syncs `tmp` itself: the entries of every rank's files.
-        _fsync_write(os.path.join(tmp, META), json.dumps(full_meta, indent=1, default=str))
+        write_text_durably(os.path.join(tmp, META), json.dumps(full_meta, indent=1, default=str))
         if os.path.exists(final):
             # Re-saving a step (after a resume): the old copy goes aside first, so that at every
             # moment one complete copy exists (__init__ puts it back if we die in between).
@@ -339,7 +340,7 @@ class CheckpointManager:
         else:
             os.rename(tmp, final)
             _fsync_dir(self.root)
-        _fsync_write(os.path.join(self.root, "latest"), name + "\n")
+        write_text_durably(os.path.join(self.root, "latest"), name + "\n")
         self._retain(final)
 
     def _note_abandoned(self, step: int) -> None:

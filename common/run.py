@@ -4,6 +4,7 @@
                  sample hook, the Trainer and teardown
   sample(spec)   prompts -> one file set per sample, index.jsonl and a grid, from a run's checkpoint
   evaluate(...)  held-out prompts -> generated media -> a pipeline's analyser -> eval.json
+  write_eval     a result dict -> RUN/eval.json (eval_step_N.json for an explicit checkpoint)
   load_run(spec) a run directory -> (components, checkpoint meta), weights loaded (EMA if any)
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Callable
 import torch
 
 from common import dist as mdist
-from common.checkpoint import CheckpointError, load_for_inference
+from common.checkpoint import CheckpointError, load_for_inference, write_text_durably
 from common.cli import add_checkpoint_arg
 from common.config import ConfigError, from_yaml_file, parse_cli
 from common.data import StreamingLoader
@@ -236,13 +237,22 @@ def sample(spec: PipelineSpec, argv=None, doc: str = "") -> int:
     return 0
 
 
+def write_eval(run_dir: str, result: dict, checkpoint: str | None = None) -> str:
+    """RUN/eval.json for the run's latest checkpoint; RUN/eval_step_XXXXXXXX.json for one named by
+    --checkpoint, so scoring an earlier checkpoint keeps the latest's figures. Returns the path."""
+    name = "eval.json" if checkpoint is None else f"eval_step_{result['step']:08d}.json"
+    path = os.path.join(run_dir, name)
+    write_text_durably(path, json.dumps(result, indent=1))
+    return path
+
+
 def evaluate(spec: PipelineSpec, argv=None, doc: str = "", *, default_num: int, grid_max: int, needs: str,
              data_hint: str,
              score: Callable[[torch.Tensor, list[dict]], dict], report: Callable[[dict], str],
              add_args: Callable[[argparse.ArgumentParser], None] | None = None,
              extend: Callable[[argparse.Namespace, object, list, dict], list[str]] | None = None) -> int:
     """eval.py: the first `--num` held-out samples' captions as prompts, the generated media
-    scored against the samples' attributes by `score(media, attributes)`, eval.json in the run.
+    scored against the samples' attributes by `score(media, attributes)`, written by write_eval.
     needs: an attribute the held-out json must carry; report(result) -> the summary line;
     extend(args, comp, examples, result) adds to result and returns extra lines to print."""
     p = argparse.ArgumentParser(prog=prog(spec, "eval"), description=doc.split("\n\n")[0] or None)
@@ -271,8 +281,7 @@ def evaluate(spec: PipelineSpec, argv=None, doc: str = "", *, default_num: int, 
     result = score(media, [e[1] for e in examples])
     result.update({"step": meta["step"], "checkpoint": meta["path"], "steps": steps, "cfg": guidance})
     lines = extend(args, comp, examples, result) if extend else []
-    with open(os.path.join(args.run, "eval.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    lines.append(f"wrote {write_eval(args.run, result, args.checkpoint)}")
     if args.save_grid:
         stem, ext = os.path.splitext(args.save_grid)
         spec.write_grid(media[:grid_max], stem if ext in (".png", ".mp4", ".gif") else args.save_grid, comp, {})

@@ -75,13 +75,17 @@ def test_run_dir_layout_and_sample_eval_clis(synth_data, tmp_path):
     expected = score(images, [a for _, a in examples])
     assert {k: result[k] for k in expected} == expected, (result, expected)
 
-    # An earlier checkpoint by --checkpoint, recorded as such.
+    # An earlier checkpoint by --checkpoint, recorded as such in a file of its own: the latest's
+    # eval.json is kept.
+    latest_eval = open(os.path.join(run, "eval.json")).read()
     earlier = os.path.join(run, "checkpoints", "step_00000003")
     proc = run_module("pipelines.text2image.eval", "--run", run, "--checkpoint", earlier, "--num", "2", "--steps",
                       "2", "--diversity", "0")
     assert proc.returncode == 0, proc.stderr
-    result = json.load(open(os.path.join(run, "eval.json")))
+    result = json.load(open(os.path.join(run, "eval_step_00000003.json")))
     assert result["step"] == 3 and os.path.samefile(result["checkpoint"], earlier) and "(step 3)" in proc.stdout
+    assert "eval_step_00000003.json" in proc.stdout
+    assert open(os.path.join(run, "eval.json")).read() == latest_eval
 
 
 def test_resume_after_kill_is_bitwise_identical(synth_data, tmp_path):

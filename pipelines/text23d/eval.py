@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
 
 import numpy as np
@@ -28,7 +27,7 @@ from common.config import ConfigError
 from common.data.captions import caption_of, read_attributes
 from common.data.shards import iter_samples
 from common.geometry import chamfer_distance, f_score, occupancy_iou
-from common.run import load_run
+from common.run import load_run, write_eval
 from data.shape3d_analysis import score
 from pipelines.text23d import components as C
 from pipelines.text23d.spec import SPEC
@@ -132,8 +131,7 @@ def main(argv=None) -> int:
                                                          cfg.vae.mesh_resolution)
         lines.append(_line(f"VAE reconstructions of {len(examples)} held-out shapes", result["reconstruction"]))
         shown = shown or recon
-    with open(os.path.join(args.run, "eval.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    write_eval(args.run, result)
     if args.save_grid:
         stem, ext = os.path.splitext(args.save_grid)
         C.write_grid(shown[:16], stem if ext in (".png", ".gif") else args.save_grid, comp, {})

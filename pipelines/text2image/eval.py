@@ -2,7 +2,8 @@
 
 For each held-out sample the caption is used as the prompt; the generated image is analysed
 from its pixels alone (data.shape_analysis) and compared with the sample's attributes. Prints
-colour, shape and joint accuracy and writes eval.json into the run directory.
+colour, shape and joint accuracy and writes eval.json into the run directory (eval_step_N.json
+for an earlier checkpoint given by --checkpoint, so the latest's figures are kept).
 
 Diversity, beside accuracy: for the first held-out colour/shape classes, `--diversity` samples of
 the prompt "a COLOUR SHAPE" (which leaves background, place and size to the model), their mean

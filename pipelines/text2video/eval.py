@@ -2,7 +2,8 @@
 
 For each held-out clip the caption is the prompt; the generated clip is analysed from its
 frames alone (data.motion_analysis) and compared with the clip's attributes. Prints colour,
-shape and motion accuracy and writes eval.json into the run directory.
+shape and motion accuracy and writes eval.json into the run directory (eval_step_N.json for an
+earlier checkpoint given by --checkpoint, so the latest's figures are kept).
 
 `--probe-t 0.6,0.9` also measures where motion is lost: each held-out clip is noised to t (seeded),
 the model predicts the clean clip in one step (x0 = x_t - t v) from its caption, and the analyser

@@ -22,7 +22,7 @@ import torch
 
 from common.cli import run_cli
 from common.config import ConfigError, from_yaml_file
-from common.run import check_run_dir, load_run
+from common.run import check_run_dir, load_run, write_eval
 from pipelines.vlm import clip as clip_stage
 from common.data.images import image_bytes
 from common.data.shards import iter_samples
@@ -112,8 +112,7 @@ def main(argv=None) -> int:
         zs = clip_zero_shot(ccomp, ccomp.model, shards, args.num, torch.device("cpu"))
         result["clip_zero_shot"] = zs
         lines.append(f"clip stage (step {cmeta['step']}): {clip_stage.format_zero_shot(zs)}")
-    with open(os.path.join(args.run, "eval.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    write_eval(args.run, result)
     for line in lines:
         print(line)
     return 0
