@@ -27,6 +27,7 @@ import json
 import os
 import statistics
 import time
+from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -245,3 +246,35 @@ def write_json(path: str, args, rows: list[dict]) -> None:
         json.dump({"threads": args.threads, "clock": args.clock, "host_malloc": args.host_malloc, "rows": rows},
                   f, indent=1)
     print(f"wrote {path}")
+
+
+def measure(ours, make_peer, row: dict, args, steps: int) -> dict:
+    """row + both sides' parameter counts and alternating rounds (and --split's op times). The split
+    check comes before the peer is built, so a compiled run is refused before any slow setup."""
+    if args.split:
+        check_split(ours)
+    peer = make_peer(ours)
+    row = {**row, "batch": ours.batch, "params_ours": sum(q.numel() for q in ours.model.parameters()),
+           "params_peer": peer.params, **alternate(ours, peer, args.rounds, steps, args.clock)}
+    if args.split:
+        row.update(split_fields(ours, peer, steps))
+    return row
+
+
+def run_configs(p: argparse.ArgumentParser, configs: dict, compare: Callable[[str, object, int], dict],
+                default_steps: Callable[[str], int], describe: Callable[[dict], str]) -> list[dict]:
+    """A peer bench's main: parse, set the process up, compare(name, args, steps) for each of
+    --configs, print describe(row) and the ratios, write --json."""
+    args = p.parse_args()
+    setup_process(args)
+    rows = []
+    for name in args.configs.split(","):
+        if name not in configs:
+            p.error(f"unknown config {name!r}; choose from {sorted(configs)}")
+        r = compare(name, args, args.steps or default_steps(name))
+        rows.append(r)
+        print(describe(r) + ratio_text(r), flush=True)
+        if args.split:
+            print(split_line(r), flush=True)
+    write_json(args.json, args, rows)
+    return rows

@@ -36,8 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.peer_rounds import (OursStep, add_arguments, alternate, check_split, optimizer_step,  # noqa: E402
-                               ratio_text, setup_process, split_fields, split_line, write_json)
+from bench.peer_rounds import OursStep, add_arguments, measure, optimizer_step, run_configs  # noqa: E402
 from common.config import build_config  # noqa: E402
 from pipelines.text2image import components  # noqa: E402
 from pipelines.text2image.config import T2IConfig  # noqa: E402
@@ -102,41 +101,21 @@ class Peer:
         return optimizer_step(self.model, self.opt, loss)
 
 
-def compare(name: str, batch: int, rounds: int, steps: int, overrides: list[str], clock: str = "wall",
-            split: bool = False) -> dict:
+def compare(name: str, args, steps: int) -> dict:
     torch.manual_seed(0)
-    ours = Ours(CONFIGS[name] + overrides, batch)
-    if split:
-        check_split(ours)
-    peer = Peer(ours)
+    ours = Ours(CONFIGS[name] + args.overrides, args.batch)
     m = ours.model.cfg
-    row = {"config": name, "hidden": m.hidden, "depth": m.depth, "heads": m.heads, "tokens": ours.comp.num_tokens,
-            "batch": batch, "params_ours": sum(q.numel() for q in ours.model.parameters()),
-            "params_peer": peer.params, **alternate(ours, peer, rounds, steps, clock)}
-    if split:
-        row.update(split_fields(ours, peer, steps))
-    return row
+    return measure(ours, Peer, {"config": name, "hidden": m.hidden, "depth": m.depth, "heads": m.heads,
+                                "tokens": ours.comp.num_tokens}, args, steps)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_arguments(p, configs="demo,S", batch=32, json_name="t2i_vs_diffusers.json", root=ROOT)
-    args = p.parse_args()
-    setup_process(args)
-    rows = []
-    for name in args.configs.split(","):
-        if name not in CONFIGS:
-            p.error(f"unknown config {name!r}; choose from {sorted(CONFIGS)}")
-        steps = args.steps or (8 if name == "demo" else 2)
-        r = compare(name, args.batch, args.rounds, steps, args.overrides, args.clock, args.split)
-        rows.append(r)
-        print(f"{name:5} hidden {r['hidden']} depth {r['depth']} tokens {r['tokens']} batch {r['batch']}: "
-              f"ours {r['ours_samples_per_s']:.1f} samples/s ({r['params_ours'] / 1e6:.2f}M params), "
-              f"diffusers PixArt {r['peer_samples_per_s']:.1f} ({r['params_peer'] / 1e6:.2f}M): "
-              + ratio_text(r), flush=True)
-        if args.split:
-            print(split_line(r), flush=True)
-    write_json(args.json, args, rows)
+    run_configs(p, CONFIGS, compare, lambda name: 8 if name == "demo" else 2,
+                lambda r: f"{r['config']:5} hidden {r['hidden']} depth {r['depth']} tokens {r['tokens']} batch "
+                          f"{r['batch']}: ours {r['ours_samples_per_s']:.1f} samples/s ({r['params_ours'] / 1e6:.2f}M "
+                          f"params), diffusers PixArt {r['peer_samples_per_s']:.1f} ({r['params_peer'] / 1e6:.2f}M): ")
 
 
 if __name__ == "__main__":

@@ -128,3 +128,45 @@ def test_video_peer_has_our_dimensions():
     # both sides train on the same clip shape and produce a finite loss
     assert ours.shape == (m.in_channels, m.frames, m.height, m.width)
     assert math.isfinite(ours.step()) and math.isfinite(bench.Peer(ours).step())
+
+
+def test_run_configs_refuses_unknown_names_and_writes_each_config_row(monkeypatch, tmp_path, capsys):
+    import argparse
+    import json
+    from types import SimpleNamespace
+
+    import torch
+    rounds = load_bench("peer_rounds")
+    clock = FakeClock()
+    monkeypatch.setitem(rounds.CLOCKS, "fake", clock)
+    monkeypatch.setattr(rounds, "setup_process", lambda args: None)
+    seen = []
+
+    def compare(name, args, steps):
+        seen.append((name, steps))
+        ours = FakeSide("ours", 4, 0.1 * (1 + len(seen)), clock, [])
+        ours.model = torch.nn.Linear(3, 2)  # 8 parameters
+        ours.cfg = SimpleNamespace(parallel=SimpleNamespace(compile=False))
+        peer = FakeSide("peer", 4, 0.1, clock, [])
+        peer.params = 5
+        return rounds.measure(ours, lambda o: peer, {"config": name}, args, steps)
+
+    def parser(*argv):
+        p = argparse.ArgumentParser()
+        rounds.add_arguments(p, configs="a,b", batch=4, json_name="x.json", root=str(tmp_path))
+        monkeypatch.setattr(sys, "argv", ["bench", "--clock", "fake", "--rounds", "2", *argv])
+        return p
+
+    rows = rounds.run_configs(parser(), {"a": [], "b": []}, compare, lambda name: {"a": 3, "b": 1}[name],
+                              lambda r: f"{r['config']}: ")
+    assert seen == [("a", 3), ("b", 1)]  # each config's own default steps
+    assert [r["ratio"] for r in rows] == pytest.approx([0.5, 1 / 3])  # ours / peer
+    assert [(r["params_ours"], r["params_peer"], r["batch"]) for r in rows] == [(8, 5, 4)] * 2
+    written = json.load(open(tmp_path / "bench" / "results" / "x.json"))
+    assert [r["config"] for r in written["rows"]] == ["a", "b"] and written["clock"] == "fake"
+    assert "a: ratio 0.50x" in capsys.readouterr().out
+
+    seen.clear()
+    with pytest.raises(SystemExit):
+        rounds.run_configs(parser("--configs", "a,c"), {"a": [], "b": []}, compare, lambda name: 1, str)
+    assert seen == [("a", 1)] and "unknown config 'c'" in capsys.readouterr().err
