@@ -18,6 +18,7 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf import errors as oc_errors
 
 from common.host_memory import MODES as HOST_MALLOC_MODES
+from common.stop_signals import parse_signals
 
 
 class ConfigError(ValueError):
@@ -115,6 +116,12 @@ class TrainConfig:
                                  "for a known GPU, else a large matmul measured at start)")
     progress: bool = doc(True, "console progress bar with ETA")
     stop_after: int = doc(0, "stop (without final save) after this step; tests use it to simulate a kill")
+    save_on_signal: str = doc("SIGTERM,SIGUSR1", "signals that stop the run cleanly: the step in flight finishes, "
+                                                 "every rank saves a checkpoint, the run exits with 128 + the "
+                                                 "signal's number and resumes from there when started again. The "
+                                                 "same signal twice stops at once. Schedulers send SIGTERM a grace "
+                                                 "period before killing (Kubernetes, torchrun, Slurm at the time "
+                                                 "limit; Slurm --signal=USR1@120 warns earlier); none: off")
     profile_at: int = doc(0, "first step torch.profiler records (0: off), for train.profile_count steps: CPU "
                              "and, on a GPU, CUDA activity; each rank writes run.dir/profile/rank<r>.txt "
                              "(operators by self device time, or CPU time on CPU) and a Chrome trace "
@@ -284,6 +291,10 @@ def check_run_config(cfg, positive: dict, choices: dict) -> None:
             raise ConfigError(f"{key}={value} must be >= 0 (0: off)")
     if not 0.0 <= tc.input_warn_frac <= 1.0:
         raise ConfigError(f"train.input_warn_frac={tc.input_warn_frac} must be in [0, 1] (0: off)")
+    try:
+        parse_signals(tc.save_on_signal)
+    except ValueError as e:
+        raise ConfigError(f"train.save_on_signal={tc.save_on_signal!r}: {e}") from None
     if tc.straggler_factor <= 1.0:
         raise ConfigError(f"train.straggler_factor={tc.straggler_factor} must be > 1")
     if cfg.data.num_workers < 0:

@@ -21,6 +21,7 @@ import errno
 import faulthandler
 import json
 import math
+import multiprocessing
 import os
 import signal
 import statistics
@@ -251,6 +252,9 @@ class FaultInjector:
       MMP_FAULT_KILL_AT_STEP=N    SIGKILL this process when it starts step N ...
       MMP_FAULT_KILL_RANK=R       ... on rank R only (default 0); once per run directory: a marker
                                   file (<run.dir>/fault_kill_step<N>.done) keeps a restarted attempt alive
+      MMP_FAULT_SIGNAL_AT_STEP=N  send MMP_FAULT_SIGNAL (default SIGTERM) to this process and its loader
+                                  workers, as a scheduler signals a whole job step, as it starts step N on
+                                  rank MMP_FAULT_SIGNAL_RANK (default 0); once per run directory, as kills
       MMP_FAULT_HANG_AT_STEP=N    sleep forever inside step N (MMP_FAULT_HANG_RANK=R, default: all ranks)
       MMP_FAULT_SLOW_RANK=R       sleep MMP_FAULT_SLOW_S (default 0.3) seconds in every step of rank R
       MMP_FAULT_KILL_IN_SAVE=N    SIGKILL rank 0 right after the checkpoint of step N started writing
@@ -271,6 +275,10 @@ class FaultInjector:
         self.kill_at = num("MMP_FAULT_KILL_AT_STEP")
         self.kill_rank = num("MMP_FAULT_KILL_RANK", default=0)
         self.kill_marker = os.path.join(run_dir, f"fault_kill_step{self.kill_at}.done")
+        self.signal_at = num("MMP_FAULT_SIGNAL_AT_STEP")
+        self.signal = env.get("MMP_FAULT_SIGNAL") or "SIGTERM"
+        self.signal_rank = num("MMP_FAULT_SIGNAL_RANK", default=0)
+        self.signal_marker = os.path.join(run_dir, f"fault_signal_step{self.signal_at}.done")
         self.hang_at = num("MMP_FAULT_HANG_AT_STEP")
         self.hang_rank = num("MMP_FAULT_HANG_RANK")
         self.slow_rank = num("MMP_FAULT_SLOW_RANK")
@@ -298,6 +306,16 @@ class FaultInjector:
                 f.flush()
                 os.fsync(f.fileno())
             self._die(f"killing rank {self.rank} at step {step}")
+        if self.signal_at == step and self.signal_rank == self.rank and not os.path.exists(self.signal_marker):
+            with open(self.signal_marker, "w") as f:
+                f.write(f"{self.signal} to rank {self.rank} at step {step}\n")
+            sig = signal.Signals[self.signal if self.signal.startswith("SIG") else "SIG" + self.signal]
+            workers = multiprocessing.active_children()
+            print(f"[rank {self.rank}] fault injection: {sig.name} at step {step} to the rank and {len(workers)} "
+                  "worker(s)", file=sys.stderr, flush=True)
+            for w in workers:
+                os.kill(w.pid, sig)
+            os.kill(os.getpid(), sig)
         if self.hang_at == step and self.hang_rank in (None, self.rank):
             print(f"[rank {self.rank}] fault injection: hanging in step {step} at {time.time():.3f}",
                   file=sys.stderr, flush=True)

@@ -92,11 +92,19 @@ def train(spec: PipelineSpec, argv=None, cfg=None) -> int:
                       frozen=comp.frozen, sample_fn=sample_fn, flops_fn=flops_fn,
                       after_optimizer_step=lowp.after_optimizer_step)
     summary = trainer.fit()
+    stop_signal = summary["stop_signal"]
     if info.is_main:
-        print(f"done: step {summary['step']}, skipped steps {summary['skipped_steps']}, "
+        complete = summary["step"] >= cfg.train.steps
+        head = "done:" if complete else f"stopped by {stop_signal.name} at"
+        print(f"{head} step {summary['step']}, skipped steps {summary['skipped_steps']}, "
               f"corrupt samples {summary['corrupt_samples']}; run dir {cfg.run.dir}", flush=True)
+        if stop_signal and complete:
+            print(f"{stop_signal.name} came as the run ended: exiting with {128 + stop_signal}, so that no later "
+                  "stage starts", flush=True)
+        elif stop_signal:
+            print(f"checkpoint saved at step {summary['step']}: the same command resumes from it", flush=True)
     mdist.teardown()
-    return 0
+    return 128 + stop_signal if stop_signal else 0  # as a shell reports a process the signal ended
 
 
 def make_loader(spec: PipelineSpec, comp, cfg, *, dp_rank: int, dp_size: int) -> StreamingLoader:

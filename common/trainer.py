@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import signal
 import time
 from typing import Any, Callable
 
@@ -31,6 +32,7 @@ from common.metrics import InputWait, MetricsLogger, StepProfiler, memory_stats,
 from common.optim import build_optimizer, lr_at
 from common.parallel.grads import clip_grads
 from common.parallel.parallel_model import ParallelModel
+from common.stop_signals import StopSignals, parse_signals
 
 
 class TrainingError(RuntimeError):
@@ -173,16 +175,21 @@ class Trainer:
             log.event(event="peak", flops=peak.flops, source=peak.source, matmul_flops=peak.matmul_flops)
             log.message(f"MFU against {peak.flops / 1e12:.3g} TFLOP/s per rank ({peak.source})")
         clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-        it = iter(self.loader)
         bad_in_row = 0
         window_t0, window_samples, window_flops = time.perf_counter(), 0, 0.0
         inputs_wait = InputWait(tc.input_warn_frac)
         profiler = StepProfiler((tc.profile_at, tc.profile_count) if tc.profile_at else None, cfg.run.dir,
                                 self.info.rank, self.info.device)
+        # Before the watchdog, so SIGTERM taken here is not also its stack dump's (common/faults.py),
+        # and before the loader's workers fork, so they ignore these signals (common/stop_signals.py).
+        signals = StopSignals(parse_signals(tc.save_on_signal))
         watchdog = HangWatchdog(tc.hang_timeout_s, cfg.run.dir, self.info.rank)
         stragglers = StragglerMonitor(tc.straggler_every, tc.straggler_factor, self.info.world_size)
         interval = CheckpointInterval(tc.ckpt_every, tc.mtbf_hours, start_step=self.step)
+        stop_signal = None  # set when train.save_on_signal's signal stopped the run
         try:
+            it = iter(self.loader)
+            window_t0 = time.perf_counter()  # the workers' start is not a step's time
             while self.step < tc.steps:
                 watchdog.beat(f"step {self.step + 1}")
                 step_t0 = time.perf_counter()
@@ -196,7 +203,8 @@ class Trainer:
                 # Counts are divided by the ranks reading the same samples, so their sums are global.
                 share = step_loss / self.pm.ranks_per_stage if self.pm.holds_loss else 0.0
                 replicas = self.info.world_size // self.pm.dp_size
-                totals = mdist.all_reduce_floats([share, corrupt / replicas, samples / replicas, flops / replicas])
+                totals = mdist.all_reduce_floats([share, corrupt / replicas, samples / replicas, flops / replicas,
+                                                  signals.flag])
                 step_loss = float(totals[0])
                 self.corrupt_total += round(float(totals[1]))
                 for hook in self.pm.grad_hooks:
@@ -264,7 +272,12 @@ class Trainer:
                     log.close()
                     mdist.barrier()
                     os._exit(0)  # no final checkpoint, no cleanup: exactly what a kill leaves behind
-                if interval.due(self.step) or self.step == tc.steps:
+                if totals[4] > 0 and self.step < tc.steps:  # every rank sees the same sum, at the same step
+                    mine = int(signals.received or 0)
+                    stop_signal = signal.Signals(int(mdist.all_reduce_floats([mine], op="max")[0]))
+                    log.message(f"{stop_signal.name} received by {round(totals[4])} rank(s): saving a checkpoint "
+                                f"at step {self.step}, then stopping (train.save_on_signal)")
+                if interval.due(self.step) or self.step == tc.steps or stop_signal is not None:
                     watchdog.beat(f"checkpoint at step {self.step}")
                     t0 = time.perf_counter()
                     path = self.save()
@@ -276,6 +289,9 @@ class Trainer:
                     if change is not None:
                         log.message(interval_message(change))
                         log.event(**change)
+                if stop_signal is not None:
+                    log.event(event="stopped", step=self.step, signal=stop_signal.name)
+                    break
                 if (tc.sample_every and self.step % tc.sample_every == 0) or self.step == tc.steps:
                     watchdog.beat(f"sampling at step {self.step}")
                     self._sample()
@@ -283,8 +299,15 @@ class Trainer:
                     window_t0 = time.perf_counter()
             watchdog.beat("the last checkpoint's write")
             self.ckpt.wait()
+            if stop_signal is None:
+                # A signal during the last step's save or samples: the run is complete, but a staged
+                # run (vlm) must not start its next stage, and every rank has to agree on that.
+                late = mdist.all_reduce_floats([int(signals.received or 0)], op="max")[0]
+                stop_signal = signal.Signals(int(late)) if late else None
         finally:
             profiler.close()
             watchdog.close()
+            signals.close()
             log.close()
-        return {"step": self.step, "skipped_steps": self.skipped_steps, "corrupt_samples": self.corrupt_total}
+        return {"step": self.step, "skipped_steps": self.skipped_steps, "corrupt_samples": self.corrupt_total,
+                "stop_signal": stop_signal}

@@ -198,7 +198,8 @@ def test_training_reduces_host_values_only_through_the_device_aware_helpers(vect
         callers = json.load(open(os.path.join(run, f"collectives_rank{rank}.json")))
         assert set(callers) == {"common.dist:all_reduce_tensor", "common.dist:all_gather_floats"}, callers
         assert callers["common.dist:all_gather_floats"] == 4, callers  # the straggler reports
-        assert callers["common.dist:all_reduce_tensor"] == 4 + 4 + 1, callers  # totals, grad norms, interval
+        # totals, grad norms, the interval, and whether a stop signal came during the last save
+        assert callers["common.dist:all_reduce_tensor"] == 4 + 4 + 1 + 1, callers
     rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
     assert [r["samples_seen"] for r in rows if "loss" in r] == [8, 16, 24, 32], proc.stdout[-2000:]
     assert any(r.get("event") == "ckpt_interval" for r in rows), rows

@@ -26,6 +26,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from common.stop_signals import ignore_in_worker
+
 from .buckets import BucketPlanner, Buckets, assign_index
 from .mixing import MixedOrder
 from .shards import DataError
@@ -389,7 +391,8 @@ class StreamingLoader:
             source = iter(ds)
         else:
             dl = DataLoader(ds, batch_size=None, collate_fn=_identity, num_workers=self.num_workers,
-                            prefetch_factor=self.prefetch_factor, persistent_workers=False)
+                            prefetch_factor=self.prefetch_factor, persistent_workers=False,
+                            worker_init_fn=ignore_in_worker)
             source = iter(dl)
         try:
             for batch in source:

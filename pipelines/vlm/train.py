@@ -68,7 +68,9 @@ def main(argv=None) -> int:
     for i, s in enumerate(stages):
         if len(stages) > 1 and int(os.environ.get("RANK", "0")) == 0:
             print(f"=== stage {i + 1}/{len(stages)}: {s.stage.name} ({s.train.steps} steps) in {s.run.dir}", flush=True)
-        train(SPEC, cfg=s)
+        code = train(SPEC, cfg=s)
+        if code:  # stopped by train.save_on_signal: the same command resumes this stage
+            return code
     return 0
 
 

@@ -1,0 +1,56 @@
+"""train.save_on_signal: a scheduler's SIGTERM / SIGUSR1 (injected as a step starts,
+MMP_FAULT_SIGNAL_AT_STEP) ends that step, every rank saves it and the run exits with 128 + the
+signal's number; the same command then resumes from that step and ends as the uninterrupted run.
+A signal during the last step still completes the run, and the exit code says it came."""
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from .conftest import REF_STEPS
+from .harness import checkpoint_state, events, latest, same_losses, same_tensors, step_dir, tail, train
+
+
+@pytest.mark.slow
+def test_sigterm_saves_the_step_in_flight_and_the_rerun_matches_the_uninterrupted_run(synth_data, ref_single,
+                                                                                         tmp_path):
+    run = str(tmp_path / "run")
+    # Step 5 is between the checkpoints of steps 4 and 6 (train.ckpt_every=2).
+    # Loader workers too, which get the signal with the rank (a scheduler signals every process of
+    # a job step) and must not end before the rank saves; they do not change what is trained on.
+    workers = ["data.num_workers=2"]
+    proc = train(run, synth_data, f"train.steps={REF_STEPS}", *workers, fault_env={"MMP_FAULT_SIGNAL_AT_STEP": "5"})
+    assert proc.returncode == 128 + signal.SIGTERM, tail(proc)
+    assert "fault injection: SIGTERM at step 5 to the rank and 2 worker(s)" in proc.stderr, tail(proc)
+    assert "stopped by SIGTERM at step 5" in proc.stdout, tail(proc)
+    assert latest(run) == "step_00000005"
+    assert [e["step"] for e in events(run, "stopped")] == [5]
+    # The rerun gets SIGTERM again as its last step starts: that step and the final save complete
+    # as usual, and the exit code still says a signal came (a staged run starts no next stage).
+    proc = train(run, synth_data, f"train.steps={REF_STEPS}", *workers,
+                 fault_env={"MMP_FAULT_SIGNAL_AT_STEP": str(REF_STEPS)})
+    assert proc.returncode == 128 + signal.SIGTERM, tail(proc)
+    assert f"done: step {REF_STEPS}" in proc.stdout and "SIGTERM came as the run ended" in proc.stdout, tail(proc)
+    assert [e["checkpoint"] for e in events(run, "resume")] == [step_dir(run, 5)]
+    assert same_losses(ref_single, run, range(1, REF_STEPS + 1)) == []
+    assert same_tensors(checkpoint_state(step_dir(ref_single, REF_STEPS)),
+                        checkpoint_state(step_dir(run, REF_STEPS))) == []
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(synth_data, tmp_path):
+    """SIGUSR1 reaches rank 1 only (Slurm's --signal=USR1@T may reach ranks apart): both ranks
+    agree in step 3's all-reduce, save step 3 together (FSDP: each writes its shards) and exit."""
+    run = str(tmp_path / "run")
+    proc = train(run, synth_data, "train.steps=6", "train.ckpt_every=100", nproc=2,
+                 fault_env={"MMP_FAULT_SIGNAL_AT_STEP": "3", "MMP_FAULT_SIGNAL_RANK": "1",
+                            "MMP_FAULT_SIGNAL": "USR1"})
+    assert proc.returncode != 0, tail(proc)
+    assert f"exitcode: {128 + signal.SIGUSR1}" in proc.stderr, tail(proc)
+    assert "SIGUSR1 received by 1 rank(s): saving a checkpoint at step 3" in proc.stdout + proc.stderr, tail(proc)
+    assert latest(run) == "step_00000003"
+    assert len(checkpoint_state(step_dir(run, 3))) > 0
+    proc = train(run, synth_data, "train.steps=6", "train.ckpt_every=100", nproc=2)
+    assert proc.returncode == 0, tail(proc)
+    assert [e["step"] for e in events(run, "resume")] == [3] and latest(run) == "step_00000006"
