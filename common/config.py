@@ -118,8 +118,9 @@ class TrainConfig:
     stop_after: int = doc(0, "stop (without final save) after this step; tests use it to simulate a kill")
     save_on_signal: str = doc("SIGTERM,SIGUSR1", "signals that stop the run cleanly: the step in flight finishes, "
                                                  "every rank saves a checkpoint, the run exits with 128 + the "
-                                                 "signal's number and resumes from there when started again. The "
-                                                 "same signal twice stops at once. Schedulers send SIGTERM a grace "
+                                                 "signal's number and resumes from there when started again. Later "
+                                                 "such signals wait for the save too (SIGKILL or Ctrl-C stop at "
+                                                 "once). Schedulers send SIGTERM a grace "
                                                  "period before killing (Kubernetes, torchrun, Slurm at the time "
                                                  "limit; Slurm --signal=USR1@120 warns earlier); none: off")
     profile_at: int = doc(0, "first step torch.profiler records (0: off), for train.profile_count steps: CPU "

@@ -59,8 +59,9 @@ if hasattr(os, "register_at_fork"):
 class StopSignals:
     """The first of `signals` only records itself (`received`); the trainer, at the end of the step
     in flight, agrees across ranks (the step's all-reduce of `flag`) that one arrived, saves a
-    checkpoint and stops. The same signal a second time acts as it did before (a forced stop); the
-    others keep waiting for the save, e.g. Slurm's SIGTERM at the time limit after its early SIGUSR1.
+    checkpoint and stops. Later ones, of any of them, are recorded no more: a rank under torchrun
+    gets a job step's SIGTERM twice (from the scheduler, and forwarded by torchrun), and Slurm sends
+    SIGTERM at the time limit after its early SIGUSR1. SIGKILL (or SIGINT, unless taken) stops at once.
 
     Schedulers ask a job to stop this way: Kubernetes and torchrun send SIGTERM and kill a grace
     period later, Slurm sends SIGTERM at the time limit and, with `--signal=USR1@120`, SIGUSR1 two
@@ -81,8 +82,6 @@ class StopSignals:
     def _handle(self, signum, frame) -> None:
         if self.received is None:
             self.received = signal.Signals(signum)
-        if signum in _taken:
-            signal.signal(signum, _taken.pop(signum))
 
     @property
     def flag(self) -> float:

@@ -6,6 +6,11 @@
 #       --config pipelines/text2image/configs/base.yaml run.dir=/shared/runs/t2i parallel.tp=8
 #
 # Arguments: the pipeline's train module, then its own arguments (config, key=value overrides).
+# At the time limit Slurm sends every process SIGTERM and, KillWait (30 s) later, SIGKILL: the ranks
+# finish their step and save it (train.save_on_signal). `sbatch --signal=USR1@120 ...` warns two
+# minutes ahead instead: the ranks save then and exit, torchrun restarts them (a restart from
+# MAX_RESTARTS) and they resume from that checkpoint until the SIGTERM. torchrun ignores SIGUSR1
+# here, which would otherwise end it, and srun with it the whole step.
 # Environment knobs: NPROC_PER_NODE (default: GPUs Slurm gave each node), MASTER_PORT (29500),
 # MAX_RESTARTS (3: torchrun restarts every worker after a failure; run.resume=auto then continues
 # from the latest complete checkpoint), PYTHON (python).
@@ -56,6 +61,7 @@ echo "slurm.sh: job ${SLURM_JOB_ID:-?}: $NNODES nodes x $NPROC_PER_NODE processe
 # --kill-on-bad-exit: a node whose torchrun gave up ends the step instead of leaving the others
 # waiting. srun does not inherit sbatch's --cpus-per-task (Slurm >= 22.05): pass it on.
 srun --nodes="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 ${SLURM_CPUS_PER_TASK:+--cpus-per-task=$SLURM_CPUS_PER_TASK} \
+    bash -c 'trap "" USR1; exec "$@"' torchrun \
     "$PYTHON" -m torch.distributed.run \
     --nnodes="$NNODES" \
     --nproc-per-node="$NPROC_PER_NODE" \

@@ -215,7 +215,8 @@ def test_slurm_script_runs_one_torchrun_per_node_rendezvous_on_first_node(single
     assert (log_dir / "scontrol.txt").read_text().split() == ["show", "hostnames", "localhost,node-b"]
     srun = json.loads((log_dir / "srun.json").read_text())
     torchrun_at = srun.index(sys.executable)
-    assert srun[:torchrun_at] == ["--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--cpus-per-task=1"]
+    assert srun[:torchrun_at] == ["--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--cpus-per-task=1",
+                                  "bash", "-c", 'trap "" USR1; exec "$@"', "torchrun"]  # torchrun survives SIGUSR1
     assert srun[torchrun_at:] == [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
                                   "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{port}", "--rdzv-id=4242",
                                   "--max-restarts=0", "-m", MODULE, *user_args]

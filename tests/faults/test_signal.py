@@ -4,12 +4,18 @@ signal's number; the same command then resumes from that step and ends as the un
 A signal during the last step still completes the run, and the exit code says it came."""
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
+from tests.conftest import ROOT, SMALL_MODEL, TINY_YAML, env
+
 from .conftest import REF_STEPS
-from .harness import checkpoint_state, events, latest, same_losses, same_tensors, step_dir, tail, train
+from .harness import BASE, checkpoint_state, events, latest, same_losses, same_tensors, step_dir, tail, train
 
 
 @pytest.mark.slow
@@ -54,3 +60,60 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(synth_data, tmp_
     proc = train(run, synth_data, "train.steps=6", "train.ckpt_every=100", nproc=2)
     assert proc.returncode == 0, tail(proc)
     assert [e["step"] for e in events(run, "resume")] == [3] and latest(run) == "step_00000006"
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+@pytest.mark.slow
+def test_sigusr1_to_every_process_of_a_torchrun_job_saves_restarts_and_finishes(synth_data, tmp_path):
+    """As `sbatch --signal=USR1@T launch/slurm.sh` delivers it: SIGUSR1 to the whole job step, with
+    torchrun ignoring it as slurm.sh makes it. The ranks save the step in flight and exit 138,
+    torchrun restarts them (--max-restarts=1), and they resume from that checkpoint and finish."""
+    run = str(tmp_path / "run")
+    steps = 40
+    cmd = ["bash", "-c", 'trap "" USR1; exec "$@"', "torchrun", sys.executable, "-m", "torch.distributed.run",
+           "--standalone", "--nproc_per_node=2", "--max-restarts=1", "--monitor-interval=0.5",
+           "-m", "pipelines.text2image.train", "--config", TINY_YAML, f"run.dir={run}",
+           f"data.train_shards={synth_data}/train", f"data.eval_shards={synth_data}/heldout", *SMALL_MODEL, *BASE,
+           f"train.steps={steps}", "train.ckpt_every=100", "data.num_workers=1"]
+    # Rank 0 made slow, so that the signal comes mid-run whatever this machine's speed.
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**env(), "MMP_FAULT_SLOW_RANK": "0", "MMP_FAULT_SLOW_S": "0.2"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = os.path.join(run, "metrics.jsonl")
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.exists(metrics) and any('"loss"' in line for line in open(metrics)):
+            break
+        time.sleep(0.2)
+    # Slurm signals every process of the step (its cgroup), whatever their sessions: torchrun
+    # starts each rank in a session of its own, so the process group would miss them.
+    for pid in [proc.pid, *descendants(proc.pid)]:  # the agent, both ranks and their loader workers
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except ProcessLookupError:  # a short-lived helper that has gone since
+            pass
+    out, err = proc.communicate(timeout=300)
+    logs = out + err
+    assert proc.returncode == 0, f"rc {proc.returncode}\n{logs[-5000:]}"
+    assert f"exitcode: {128 + signal.SIGUSR1}" in logs and "SIGUSR1 received by 2 rank(s)" in logs, logs[-5000:]
+    stopped = [e["step"] for e in events(run, "stopped")]
+    assert len(stopped) == 1 and 1 <= stopped[0] < steps, stopped
+    assert [e["step"] for e in events(run, "resume")] == stopped  # the restart resumed the saved step
+    assert latest(run) == f"step_{steps:08d}"
