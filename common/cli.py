@@ -83,6 +83,11 @@ def _fail(message: str) -> None:
 def run_cli(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> None:
     try:
         code = main(argv)
+    except KeyboardInterrupt:
+        if os.environ.get("MMP_TRACEBACK"):
+            raise
+        _fail("interrupted")
+        sys.exit(130)
     except BaseException as e:  # noqa: B036 - DCP's CheckpointException derives from BaseException
         message = str(e) if isinstance(e, user_error_types()) else storage_error(e)
         if message is None:

@@ -13,13 +13,14 @@ import argparse
 import json
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from common import dist as mdist
-from common.checkpoint import CheckpointError, load_for_inference, write_text_durably
+from common.checkpoint import CheckpointError, latest_complete, load_for_inference, write_text_durably
 from common.cli import add_checkpoint_arg
 from common.config import ConfigError, from_yaml_file, parse_cli
 from common.data import StreamingLoader
@@ -91,7 +92,16 @@ def train(spec: PipelineSpec, argv=None, cfg=None) -> int:
     trainer = Trainer(cfg, info, pm, prepare, criterion, loader, signature=spec.signature(comp),
                       frozen=comp.frozen, sample_fn=sample_fn, flops_fn=flops_fn,
                       after_optimizer_step=lowp.after_optimizer_step)
-    summary = trainer.fit()
+    try:
+        summary = trainer.fit()
+    except KeyboardInterrupt:
+        # Ctrl-C: stop at once (train.save_on_signal=SIGINT,... would save the step in flight first).
+        latest = latest_complete(os.path.join(cfg.run.dir, "checkpoints"))
+        if info.is_main:
+            where = f"the latest checkpoint is {latest}" if latest else "no checkpoint was completed yet"
+            print(f"\ninterrupted at step {trainer.step}: {where}; the same command resumes from it", file=sys.stderr,
+                  flush=True)
+        return 130  # as a shell reports a process SIGINT ended
     stop_signal = summary["stop_signal"]
     if info.is_main:
         complete = summary["step"] >= cfg.train.steps

@@ -117,3 +117,27 @@ def test_sigusr1_to_every_process_of_a_torchrun_job_saves_restarts_and_finishes(
     assert len(stopped) == 1 and 1 <= stopped[0] < steps, stopped
     assert [e["step"] for e in events(run, "resume")] == stopped  # the restart resumed the saved step
     assert latest(run) == f"step_{steps:08d}"
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_at_once_with_one_line_naming_the_checkpoint_to_resume_from(synth_data, tmp_path):
+    """SIGINT is not taken by default: Ctrl-C (to the terminal's whole process group, the loader
+    worker included) stops at once, without a traceback, and says where the rerun resumes."""
+    run = str(tmp_path / "run")
+    cmd = [sys.executable, "-m", "pipelines.text2image.train", "--config", TINY_YAML, f"run.dir={run}",
+           f"data.train_shards={synth_data}/train", f"data.eval_shards={synth_data}/heldout", *SMALL_MODEL, *BASE,
+           "train.steps=200", "data.num_workers=1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**env(), "MMP_FAULT_SLOW_RANK": "0", "MMP_FAULT_SLOW_S": "0.1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.isdir(step_dir(run, 2)):
+            break
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, f"rc {proc.returncode}\n{out[-2000:]}\n{err[-4000:]}"
+    assert "Traceback" not in err, err[-4000:]
+    line = next(x for x in err.splitlines() if x.startswith("interrupted at step "))
+    assert f"the latest checkpoint is {os.path.join(run, 'checkpoints', latest(run))}" in line, line
+    assert "the same command resumes from it" in line
