@@ -4,7 +4,8 @@ A pipeline hands over its parallelized model (common.parallel.ParallelModel), tw
 `prepare(batch) -> (inputs, target)` (everything without trainable weights: frozen encoders,
 noise, timesteps) and `criterion(prediction, target) -> loss`, and a loader; the Trainer owns
 gradient accumulation (or pipeline microbatches), clipping, AdamW, the LR schedule, EMA,
-non-finite guards, checkpoints, resume and logging. The split lets pipeline parallelism feed
+non-finite guards, checkpoints, resume, stopping on a scheduler's signal (a checkpoint of the
+step in flight; common/stop_signals.py) and logging. The split lets pipeline parallelism feed
 `inputs` to the first stage and `target` to the last.
 
 Exactness: the LR is a pure function of the step, the loader's position is a global sample
