@@ -5,6 +5,7 @@ A signal during the last step still completes the run, and the exit code says it
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -112,7 +113,10 @@ def test_sigusr1_to_every_process_of_a_torchrun_job_saves_restarts_and_finishes(
     out, err = proc.communicate(timeout=300)
     logs = out + err
     assert proc.returncode == 0, f"rc {proc.returncode}\n{logs[-5000:]}"
-    assert f"exitcode: {128 + signal.SIGUSR1}" in logs and "SIGUSR1 received by 2 rank(s)" in logs, logs[-5000:]
+    # By 1 or 2 ranks at the agreeing step: a rank waiting inside that step's all-reduce runs its
+    # handler only after it returns, and counts from the next step on.
+    assert f"exitcode: {128 + signal.SIGUSR1}" in logs, logs[-5000:]
+    assert re.search(r"SIGUSR1 received by [12] rank\(s\): saving a checkpoint", logs), logs[-5000:]
     stopped = [e["step"] for e in events(run, "stopped")]
     assert len(stopped) == 1 and 1 <= stopped[0] < steps, stopped
     assert [e["step"] for e in events(run, "resume")] == stopped  # the restart resumed the saved step
