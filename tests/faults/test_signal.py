@@ -48,9 +48,11 @@ def test_sigterm_saves_the_step_in_flight_and_the_rerun_matches_the_uninterrupte
 @pytest.mark.slow
 def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(synth_data, tmp_path):
     """SIGUSR1 reaches rank 1 only (Slurm's --signal=USR1@T may reach ranks apart): both ranks
-    agree in step 3's all-reduce, save step 3 together (FSDP: each writes its shards) and exit."""
+    agree in step 3's all-reduce, save step 3 together (FSDP: each writes its shards; asynchronously,
+    so the exit has to wait for the write and for rank 0 to make it `latest`) and exit."""
     run = str(tmp_path / "run")
-    proc = train(run, synth_data, "train.steps=6", "train.ckpt_every=100", nproc=2,
+    layout = ["parallel.dp_mode=fsdp", "train.ckpt_async=true"]
+    proc = train(run, synth_data, "train.steps=6", "train.ckpt_every=100", *layout, nproc=2,
                  fault_env={"MMP_FAULT_SIGNAL_AT_STEP": "3", "MMP_FAULT_SIGNAL_RANK": "1",
                             "MMP_FAULT_SIGNAL": "USR1"})
     assert proc.returncode != 0, tail(proc)
@@ -58,7 +60,7 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(synth_data, tmp_
     assert "SIGUSR1 received by 1 rank(s): saving a checkpoint at step 3" in proc.stdout + proc.stderr, tail(proc)
     assert latest(run) == "step_00000003"
     assert len(checkpoint_state(step_dir(run, 3))) > 0
-    proc = train(run, synth_data, "train.steps=6", "train.ckpt_every=100", nproc=2)
+    proc = train(run, synth_data, "train.steps=6", "train.ckpt_every=100", *layout, nproc=2)
     assert proc.returncode == 0, tail(proc)
     assert [e["step"] for e in events(run, "resume")] == [3] and latest(run) == "step_00000006"
 
