@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -17,7 +19,7 @@ from common.data.packing import IGNORE_INDEX
 from pipelines.vlm.config import VLMConfig
 from pipelines.vlm.data import PackCollate, VLMDecoder, image_tiles, tile_count, tile_grid
 from pipelines.vlm.model import lm_loss, pixel_shuffle
-from tests.conftest import ROOT, run_module
+from tests.conftest import ROOT, env, run_module
 
 TINY = os.path.join(ROOT, "pipelines/vlm/configs/tiny.yaml")
 SMALL = ["lm.dim=32", "lm.n_layers=2", "lm.n_heads=4", "lm.n_kv_heads=2", "clip.width=32", "clip.layers=1",
@@ -341,3 +343,27 @@ def test_staged_train_then_eval_sample_export(vqa_data, tmp_path):
     ours = greedy_generate(comp.model.lm, [x[0]], 6)[0]
     theirs = hf.generate(x, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
     assert ours == theirs
+
+
+@pytest.mark.slow
+def test_a_signal_in_a_staged_run_saves_that_stage_and_starts_no_next_one(vqa_data, tmp_path):
+    """SIGTERM in the clip stage's step 2 (train.save_on_signal): that stage saves step 2 and the
+    command exits 143 without starting align; the same command then resumes clip from step 2 and
+    runs the later stages."""
+    run = str(tmp_path / "run")
+    stages = "stages=[{name: clip, steps: 4, lr: 1.0e-3, micro_batch_size: 16}, {name: align, steps: 2, lr: 1.0e-3}]"
+    cmd = [sys.executable, "-m", "pipelines.vlm.train", "--config", TINY, f"run.dir={run}",
+           f"data.train_shards={vqa_data}/train", f"data.eval_shards={vqa_data}/heldout", stages,
+           "data.micro_batch_size=8", "data.num_workers=0", "train.progress=false", "sample.num=0",
+           "tokenizer.vocab_size=400", *SMALL]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**env(), "MMP_FAULT_SIGNAL_AT_STEP": "2"}, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 143, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert open(os.path.join(run, "clip", "checkpoints", "latest")).read().strip() == "step_00000002"
+    assert "stage 2/2" not in proc.stdout and not os.path.exists(os.path.join(run, "align"))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout and "at step 2" in proc.stdout, proc.stdout[-2000:]
+    for stage, steps in (("clip", 4), ("align", 2)):
+        latest = open(os.path.join(run, stage, "checkpoints", "latest")).read().strip()
+        assert latest == f"step_{steps:08d}", (stage, latest)
