@@ -120,9 +120,9 @@ class TrainConfig:
                                                  "every rank saves a checkpoint, the run exits with 128 + the "
                                                  "signal's number and resumes from there when started again. Later "
                                                  "such signals wait for the save too (SIGKILL or Ctrl-C stop at "
-                                                 "once). Schedulers send SIGTERM a grace "
-                                                 "period before killing (Kubernetes, torchrun, Slurm at the time "
-                                                 "limit; Slurm --signal=USR1@120 warns earlier); none: off")
+                                                 "once). Schedulers send SIGTERM a grace period before killing "
+                                                 "(Kubernetes, torchrun, Slurm at the time limit; Slurm "
+                                                 "--signal=USR1@120 warns earlier); none: off")
     profile_at: int = doc(0, "first step torch.profiler records (0: off), for train.profile_count steps: CPU "
                              "and, on a GPU, CUDA activity; each rank writes run.dir/profile/rank<r>.txt "
                              "(operators by self device time, or CPU time on CPU) and a Chrome trace "

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from common import dist as mdist
+from common.stop_signals import parse_signals
 
 # EX_TEMPFAIL: "try again later" - a hang is not a bug in the config, a restart may well succeed.
 EXIT_HANG = 75
@@ -309,7 +310,7 @@ class FaultInjector:
         if self.signal_at == step and self.signal_rank == self.rank and not os.path.exists(self.signal_marker):
             with open(self.signal_marker, "w") as f:
                 f.write(f"{self.signal} to rank {self.rank} at step {step}\n")
-            sig = signal.Signals[self.signal if self.signal.startswith("SIG") else "SIG" + self.signal]
+            sig = parse_signals(self.signal)[0]
             workers = multiprocessing.active_children()
             print(f"[rank {self.rank}] fault injection: {sig.name} at step {step} to the rank and {len(workers)} "
                   "worker(s)", file=sys.stderr, flush=True)

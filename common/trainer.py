@@ -36,6 +36,12 @@ from common.parallel.parallel_model import ParallelModel
 from common.stop_signals import StopSignals, parse_signals
 
 
+def _agreed_signal(signals: StopSignals) -> signal.Signals | None:
+    """The signal every rank reports (the highest number among those received; a collective)."""
+    number = int(mdist.all_reduce_floats([int(signals.received or 0)], op="max")[0])
+    return signal.Signals(number) if number else None
+
+
 class TrainingError(RuntimeError):
     """The run cannot go on (e.g. K non-finite steps in a row); printed as one line."""
 
@@ -274,8 +280,7 @@ class Trainer:
                     mdist.barrier()
                     os._exit(0)  # no final checkpoint, no cleanup: exactly what a kill leaves behind
                 if totals[4] > 0 and self.step < tc.steps:  # every rank sees the same sum, at the same step
-                    mine = int(signals.received or 0)
-                    stop_signal = signal.Signals(int(mdist.all_reduce_floats([mine], op="max")[0]))
+                    stop_signal = _agreed_signal(signals)
                     log.message(f"{stop_signal.name} received by {round(totals[4])} rank(s): saving a checkpoint "
                                 f"at step {self.step}, then stopping (train.save_on_signal)")
                 if interval.due(self.step) or self.step == tc.steps or stop_signal is not None:
@@ -303,8 +308,7 @@ class Trainer:
             if stop_signal is None:
                 # A signal during the last step's save or samples: the run is complete, but a staged
                 # run (vlm) must not start its next stage, and every rank has to agree on that.
-                late = mdist.all_reduce_floats([int(signals.received or 0)], op="max")[0]
-                stop_signal = signal.Signals(int(late)) if late else None
+                stop_signal = _agreed_signal(signals)
         finally:
             profiler.close()
             watchdog.close()

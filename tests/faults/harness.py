@@ -19,11 +19,16 @@ from tests.conftest import ROOT, SMALL_MODEL, TINY_YAML, env, read_metrics, trai
 BASE = ["train.log_every=1", "train.ckpt_every=2", "train.keep_last=100", "train.sample_every=0", "sample.num=0"]
 
 
+def train_args(run_dir: str, data_dir: str, *overrides: str) -> list[str]:
+    """The train CLI's arguments of every run here: the small model on `data_dir`, BASE, overrides."""
+    return ["--config", TINY_YAML, f"run.dir={run_dir}", f"data.train_shards={data_dir}/train",
+            f"data.eval_shards={data_dir}/heldout", *SMALL_MODEL, *BASE, *overrides]
+
+
 def train(run_dir: str, data_dir: str, *overrides: str, nproc: int = 1, fault_env: dict | None = None,
           timeout: int = 600) -> subprocess.CompletedProcess:
     """The train CLI as users run it (torchrun --standalone for nproc > 1); never raises on failure."""
-    cmd = train_cmd(nproc) + ["--config", TINY_YAML, f"run.dir={run_dir}", f"data.train_shards={data_dir}/train",
-                              f"data.eval_shards={data_dir}/heldout", *SMALL_MODEL, *BASE, *overrides]
+    cmd = train_cmd(nproc) + train_args(run_dir, data_dir, *overrides)
     e = env()
     e.update(fault_env or {})
     return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)

@@ -13,10 +13,11 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT, SMALL_MODEL, TINY_YAML, env
+from tests.conftest import ROOT, env
 
 from .conftest import REF_STEPS
-from .harness import BASE, checkpoint_state, events, latest, same_losses, same_tensors, step_dir, tail, train
+from .harness import (checkpoint_state, events, latest, same_losses, same_tensors, step_dir, tail, train,
+                      train_args)
 
 
 @pytest.mark.slow
@@ -65,6 +66,21 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(synth_data, tmp_
     assert [e["step"] for e in events(run, "resume")] == [3] and latest(run) == "step_00000006"
 
 
+def start_slowed(cmd: list[str], seconds_per_step: float, **popen) -> subprocess.Popen:
+    """The command started with rank 0 slowed by `seconds_per_step` (MMP_FAULT_SLOW_*), so that a
+    signal sent while it trains comes mid-run whatever this machine's speed."""
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**env(), "MMP_FAULT_SLOW_RANK": "0", "MMP_FAULT_SLOW_S": str(seconds_per_step)},
+                            **popen)
+
+
+def wait_until(proc: subprocess.Popen, ready, timeout: float = 240) -> None:
+    """Poll until ready() or the process ended (its assertions then say why)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None and not ready():
+        time.sleep(0.1)
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below `pid` (from /proc)."""
     children: dict[int, list[int]] = {}
@@ -93,18 +109,11 @@ def test_sigusr1_to_every_process_of_a_torchrun_job_saves_restarts_and_finishes(
     steps = 40
     cmd = ["bash", "-c", 'trap "" USR1; exec "$@"', "torchrun", sys.executable, "-m", "torch.distributed.run",
            "--standalone", "--nproc_per_node=2", "--max-restarts=1", "--monitor-interval=0.5",
-           "-m", "pipelines.text2image.train", "--config", TINY_YAML, f"run.dir={run}",
-           f"data.train_shards={synth_data}/train", f"data.eval_shards={synth_data}/heldout", *SMALL_MODEL, *BASE,
-           f"train.steps={steps}", "train.ckpt_every=100", "data.num_workers=1"]
-    # Rank 0 made slow, so that the signal comes mid-run whatever this machine's speed.
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**env(), "MMP_FAULT_SLOW_RANK": "0", "MMP_FAULT_SLOW_S": "0.2"},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           "-m", "pipelines.text2image.train",
+           *train_args(run, synth_data, f"train.steps={steps}", "train.ckpt_every=100", "data.num_workers=1")]
+    proc = start_slowed(cmd, 0.2)
     metrics = os.path.join(run, "metrics.jsonl")
-    deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None:
-        if os.path.exists(metrics) and any('"loss"' in line for line in open(metrics)):
-            break
-        time.sleep(0.2)
+    wait_until(proc, lambda: os.path.exists(metrics) and any('"loss"' in line for line in open(metrics)))
     # Slurm signals every process of the step (its cgroup), whatever their sessions: torchrun
     # starts each rank in a session of its own, so the process group would miss them.
     for pid in [proc.pid, *descendants(proc.pid)]:  # the agent, both ranks and their loader workers
@@ -130,16 +139,10 @@ def test_ctrl_c_stops_at_once_with_one_line_naming_the_checkpoint_to_resume_from
     """SIGINT is not taken by default: Ctrl-C (to the terminal's whole process group, the loader
     worker included) stops at once, without a traceback, and says where the rerun resumes."""
     run = str(tmp_path / "run")
-    cmd = [sys.executable, "-m", "pipelines.text2image.train", "--config", TINY_YAML, f"run.dir={run}",
-           f"data.train_shards={synth_data}/train", f"data.eval_shards={synth_data}/heldout", *SMALL_MODEL, *BASE,
-           "train.steps=200", "data.num_workers=1"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**env(), "MMP_FAULT_SLOW_RANK": "0", "MMP_FAULT_SLOW_S": "0.1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None:
-        if os.path.isdir(step_dir(run, 2)):
-            break
-        time.sleep(0.1)
+    cmd = [sys.executable, "-m", "pipelines.text2image.train",
+           *train_args(run, synth_data, "train.steps=200", "data.num_workers=1")]
+    proc = start_slowed(cmd, 0.1, start_new_session=True)  # a process group of its own, as a terminal's job
+    wait_until(proc, lambda: os.path.isdir(step_dir(run, 2)))
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, f"rc {proc.returncode}\n{out[-2000:]}\n{err[-4000:]}"
