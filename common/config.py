@@ -123,6 +123,9 @@ class TrainConfig:
                                                  "once). Schedulers send SIGTERM a grace period before killing "
                                                  "(Kubernetes, torchrun, Slurm at the time limit; Slurm "
                                                  "--signal=USR1@120 warns earlier); none: off")
+    signal_grace_s: float = doc(30.0, "the scheduler's grace period between its stop signal and SIGKILL (30 s by "
+                                      "default for Kubernetes, torchrun and Slurm's KillWait): a warning once a "
+                                      "measured step plus checkpoint write would not fit in it (0: no check)")
     profile_at: int = doc(0, "first step torch.profiler records (0: off), for train.profile_count steps: CPU "
                              "and, on a GPU, CUDA activity; each rank writes run.dir/profile/rank<r>.txt "
                              "(operators by self device time, or CPU time on CPU) and a Chrome trace "
@@ -287,7 +290,7 @@ def check_run_config(cfg, positive: dict, choices: dict) -> None:
         if value <= 0:
             raise ConfigError(f"{key}={value} must be > 0")
     for key, value in {"train.hang_timeout_s": tc.hang_timeout_s, "train.straggler_every": tc.straggler_every,
-                       "train.profile_at": tc.profile_at}.items():
+                       "train.profile_at": tc.profile_at, "train.signal_grace_s": tc.signal_grace_s}.items():
         if value < 0:
             raise ConfigError(f"{key}={value} must be >= 0 (0: off)")
     if not 0.0 <= tc.input_warn_frac <= 1.0:

@@ -223,6 +223,11 @@ class CheckpointInterval:
             self._step_sum += seconds
             self._steps += 1
 
+    @property
+    def mean_step_s(self) -> float | None:
+        """The mean step time so far (the first step after the start left out), None before one."""
+        return self._step_sum / self._steps if self._steps else None
+
     def due(self, step: int) -> bool:
         return step >= self.next_step if self.auto else step % self.every == 0
 
@@ -231,7 +236,7 @@ class CheckpointInterval:
         interval (save_s: the time the step blocked; write_s: until the data was on disk)."""
         if not self.auto:
             return None
-        step_s = self._step_sum / self._steps if self._steps else save_s
+        step_s = self.mean_step_s if self._steps else save_s
         save_s, step_s, write_s = mdist.all_reduce_floats([save_s, step_s, write_s], op="max")
         self.every = young_daly_steps(save_s, step_s, self.mtbf_hours, min_interval_s=write_s)
         self.next_step = step + self.every

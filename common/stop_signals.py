@@ -4,12 +4,14 @@
   StopSignals          the first such signal is only recorded; the trainer ends the step in flight,
                        every rank agrees in the step's all-reduce, saves a checkpoint and stops
   ignore_in_worker     a DataLoader worker_init_fn: forked workers ignore those signals
+  grace_shortfall      whether a step plus a checkpoint write still fit the scheduler's grace period
 """
 from __future__ import annotations
 
 import os
 import signal
 import threading
+import time
 
 
 def parse_signals(text: str) -> tuple[signal.Signals, ...]:
@@ -71,6 +73,7 @@ class StopSignals:
     def __init__(self, signals: tuple[signal.Signals, ...]):
         global _taken_in
         self.received: signal.Signals | None = None
+        self.received_at: float | None = None  # time.monotonic() of the first one
         self._owner = False
         if not signals or threading.current_thread() is not threading.main_thread() or _taken_in is not None:
             return
@@ -82,6 +85,14 @@ class StopSignals:
     def _handle(self, signum, frame) -> None:
         if self.received is None:
             self.received = signal.Signals(signum)
+            self.received_at = time.monotonic()
+
+    def seconds_since(self) -> float | None:
+        return None if self.received_at is None else time.monotonic() - self.received_at
+
+    @property
+    def taken(self) -> bool:
+        return self._owner
 
     @property
     def flag(self) -> float:
@@ -96,3 +107,23 @@ class StopSignals:
             _taken.clear()
             _taken_in = None
             self._owner = False
+
+
+def grace_shortfall(step_s: float, write_s: float, grace_s: float) -> dict | None:
+    """A signal at the start of a step is saved after the rest of that step plus a checkpoint's
+    write to disk (asynchronous saves too: the run waits for the write before it exits). When that
+    exceeds the scheduler's grace period the SIGKILL lands mid-save: nothing is corrupted (saves
+    are atomic), but the run resumes from the checkpoint before. Returns the event, or None."""
+    needed = step_s + write_s
+    if grace_s <= 0 or needed <= grace_s:
+        return None
+    return {"event": "signal_grace", "needed_s": round(needed, 3), "step_s": round(step_s, 3),
+            "write_s": round(write_s, 3), "grace_s": grace_s}
+
+
+def grace_message(ev: dict) -> str:
+    return (f"warning: saving on a stop signal would take up to {ev['needed_s']:.3g} s (a step {ev['step_s']:.3g} s "
+            f"+ a checkpoint write {ev['write_s']:.3g} s), more than the scheduler's grace period "
+            f"train.signal_grace_s={ev['grace_s']:g}: its SIGKILL would cut the save off and the run would resume "
+            f"from the checkpoint before. Ask for a longer grace period (Kubernetes terminationGracePeriodSeconds, "
+            f"Slurm KillWait) or an earlier signal (sbatch --signal=USR1@120) and set train.signal_grace_s to it")

@@ -33,7 +33,7 @@ from common.metrics import InputWait, MetricsLogger, StepProfiler, memory_stats,
 from common.optim import build_optimizer, lr_at
 from common.parallel.grads import clip_grads
 from common.parallel.parallel_model import ParallelModel
-from common.stop_signals import StopSignals, parse_signals
+from common.stop_signals import StopSignals, grace_message, grace_shortfall, parse_signals
 
 
 def _agreed_signal(signals: StopSignals) -> signal.Signals | None:
@@ -194,6 +194,7 @@ class Trainer:
         stragglers = StragglerMonitor(tc.straggler_every, tc.straggler_factor, self.info.world_size)
         interval = CheckpointInterval(tc.ckpt_every, tc.mtbf_hours, start_step=self.step)
         stop_signal = None  # set when train.save_on_signal's signal stopped the run
+        grace_warned = False
         try:
             it = iter(self.loader)
             window_t0 = time.perf_counter()  # the workers' start is not a step's time
@@ -295,6 +296,14 @@ class Trainer:
                     if change is not None:
                         log.message(interval_message(change))
                         log.event(**change)
+                    if signals.taken and not grace_warned and interval.mean_step_s is not None:
+                        # last_write_s: this save's (synchronous) or the one before (asynchronous)
+                        shortfall = grace_shortfall(interval.mean_step_s, self.ckpt.last_write_s,
+                                                    tc.signal_grace_s)
+                        if shortfall is not None:
+                            grace_warned = True
+                            log.message(grace_message(shortfall))
+                            log.event(step=self.step, **shortfall)
                 if stop_signal is not None:
                     log.event(event="stopped", step=self.step, signal=stop_signal.name)
                     break
@@ -305,6 +314,11 @@ class Trainer:
                     window_t0 = time.perf_counter()
             watchdog.beat("the last checkpoint's write")
             self.ckpt.wait()
+            if stop_signal is not None and signals.received is not None:
+                log.message(f"checkpoint of step {self.step} complete {signals.seconds_since():.3g} s after "
+                            f"{signals.received.name} (train.signal_grace_s={tc.signal_grace_s:g})")
+                log.event(event="saved_on_signal", step=self.step, signal=signals.received.name,
+                          after_signal_s=round(signals.seconds_since(), 3))
             if stop_signal is None:
                 # A signal during the last step's save or samples: the run is complete, but a staged
                 # run (vlm) must not start its next stage, and every rank has to agree on that.

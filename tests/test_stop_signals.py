@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from common.config import ConfigError, build_config
-from common.stop_signals import StopSignals, parse_signals
+from common.stop_signals import StopSignals, grace_message, grace_shortfall, parse_signals
 from tests.conftest import ROOT
 
 
@@ -19,6 +19,15 @@ def test_parse_signals_accepts_names_with_or_without_sig_and_refuses_the_uncatch
     for bad in ("SIGKILL", "SIGNOPE", "kill"):
         with pytest.raises(ValueError, match="not a signal a process can catch"):
             parse_signals(bad)
+
+
+def test_grace_shortfall_counts_a_step_and_a_write_against_the_grace_period():
+    assert grace_shortfall(step_s=10.0, write_s=19.9, grace_s=30.0) is None
+    ev = grace_shortfall(step_s=10.0, write_s=25.0, grace_s=30.0)
+    assert ev == {"event": "signal_grace", "needed_s": 35.0, "step_s": 10.0, "write_s": 25.0, "grace_s": 30.0}
+    assert "up to 35 s (a step 10 s + a checkpoint write 25 s)" in grace_message(ev)
+    assert "train.signal_grace_s=30" in grace_message(ev)
+    assert grace_shortfall(step_s=1e6, write_s=1e6, grace_s=0.0) is None  # 0: no check
 
 
 def test_config_refuses_an_unknown_signal():
@@ -37,11 +46,13 @@ def test_the_first_signal_is_recorded_later_ones_wait_too_and_close_gives_them_b
         assert stop.flag == 0.0 and stop.received is None
         os.kill(os.getpid(), signal.SIGUSR1)
         assert stop.received == signal.SIGUSR1 and stop.flag == 1.0 and seen == []
+        first_at = stop.received_at
+        assert 0 <= stop.seconds_since() < 60
         # The same one again (torchrun forwarding the scheduler's SIGTERM), or another of them:
         # still waiting for the save, and the first stays the one reported.
         os.kill(os.getpid(), signal.SIGUSR1)
         os.kill(os.getpid(), signal.SIGUSR2)
-        assert stop.received == signal.SIGUSR1 and seen == []
+        assert stop.received == signal.SIGUSR1 and stop.received_at == first_at and seen == []
         stop.close()
         os.kill(os.getpid(), signal.SIGUSR1)
         os.kill(os.getpid(), signal.SIGUSR2)

@@ -28,12 +28,21 @@ def test_sigterm_saves_the_step_in_flight_and_the_rerun_matches_the_uninterrupte
     # Loader workers too, which get the signal with the rank (a scheduler signals every process of
     # a job step) and must not end before the rank saves; they do not change what is trained on.
     workers = ["data.num_workers=2"]
-    proc = train(run, synth_data, f"train.steps={REF_STEPS}", *workers, fault_env={"MMP_FAULT_SIGNAL_AT_STEP": "5"})
+    # A grace period no step fits in: the first save after a measured step warns, once.
+    proc = train(run, synth_data, f"train.steps={REF_STEPS}", *workers, "train.signal_grace_s=0.001",
+                 fault_env={"MMP_FAULT_SIGNAL_AT_STEP": "5"})
     assert proc.returncode == 128 + signal.SIGTERM, tail(proc)
     assert "fault injection: SIGTERM at step 5 to the rank and 2 worker(s)" in proc.stderr, tail(proc)
     assert "stopped by SIGTERM at step 5" in proc.stdout, tail(proc)
     assert latest(run) == "step_00000005"
     assert [e["step"] for e in events(run, "stopped")] == [5]
+    grace = events(run, "signal_grace")
+    assert [e["step"] for e in grace] == [2] and grace[0]["needed_s"] > 0.001, grace
+    assert grace[0]["needed_s"] == pytest.approx(grace[0]["step_s"] + grace[0]["write_s"], abs=0.002)
+    assert "more than the scheduler's grace period train.signal_grace_s=0.001" in proc.stdout, tail(proc)
+    saved = events(run, "saved_on_signal")
+    assert [(e["step"], e["signal"]) for e in saved] == [(5, "SIGTERM")] and saved[0]["after_signal_s"] > 0, saved
+    assert "checkpoint of step 5 complete" in proc.stdout and "after SIGTERM" in proc.stdout, tail(proc)
     # The rerun gets SIGTERM again as its last step starts: that step and the final save complete
     # as usual, and the exit code still says a signal came (a staged run starts no next stage).
     proc = train(run, synth_data, f"train.steps={REF_STEPS}", *workers,
@@ -41,6 +50,7 @@ def test_sigterm_saves_the_step_in_flight_and_the_rerun_matches_the_uninterrupte
     assert proc.returncode == 128 + signal.SIGTERM, tail(proc)
     assert f"done: step {REF_STEPS}" in proc.stdout and "SIGTERM came as the run ended" in proc.stdout, tail(proc)
     assert [e["checkpoint"] for e in events(run, "resume")] == [step_dir(run, 5)]
+    assert len(events(run, "signal_grace")) == 1  # the default 30 s: these steps and saves fit
     assert same_losses(ref_single, run, range(1, REF_STEPS + 1)) == []
     assert same_tensors(checkpoint_state(step_dir(ref_single, REF_STEPS)),
                         checkpoint_state(step_dir(run, REF_STEPS))) == []
