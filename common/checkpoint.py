@@ -59,7 +59,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from common import dist as mdist
-from common.faults import in_sync_save
+from common.faults import in_sync_save, slow_save
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _OLD_DIR = re.compile(r"^(step_\d{8})\.old$")
@@ -302,7 +302,7 @@ class CheckpointManager:
             response = dcp.async_save(state, checkpoint_id=tmp, process_group=self._pg,
                                       no_dist=not torch.distributed.is_initialized())
             upload = getattr(response, "upload_completion", response)
-            self._pending = _PendingSave(upload, lambda: self._finalize(tmp, final, name, full_meta), t0,
+            self._pending = _PendingSave(step, upload, lambda: self._finalize(tmp, final, name, full_meta), t0,
                                          self.info.is_main)
             if self.on_async_start is not None:
                 self.on_async_start(step)
@@ -319,13 +319,29 @@ class CheckpointManager:
     def wait(self) -> None:
         """Block until the asynchronous save in flight (if any) is complete and visible."""
         if self._pending is not None:
-            pending, self._pending = self._pending, None
-            pending.wait()
-            self.last_write_s = pending.done_at - pending.started
+            self.wait_here()
             mdist.barrier()  # no rank reads `latest` or starts the next save before rank 0 renamed
+
+    @property
+    def pending_step(self) -> int | None:
+        """The step of the asynchronous save still in flight, if any."""
+        return self._pending.step if self._pending is not None else None
+
+    def wait_here(self) -> None:
+        """wait() without the barrier, for a rank that stops (Ctrl-C) while the others may be gone:
+        each rank's writer ends on its own, and rank 0's renames the checkpoint once all are."""
+        if self._pending is not None:
+            try:
+                self._pending.wait()  # a KeyboardInterrupt here leaves the save pending, still writing
+            except CheckpointError:
+                self._pending = None
+                raise
+            pending, self._pending = self._pending, None
+            self.last_write_s = pending.done_at - pending.started
 
     def _finalize(self, tmp: str, final: str, name: str, full_meta: dict) -> None:
         """Rank 0, once every rank's data is in `tmp`: meta.json, rename, latest, retention."""
+        slow_save(self.info.rank)  # fault injection (tests): no-op unless MMP_FAULT_SLOW_SAVE_S is set
         # meta.json's fsync also syncs `tmp` itself: the entries of every rank's files.
         write_text_durably(os.path.join(tmp, META), json.dumps(full_meta, indent=1, default=str))
         if os.path.exists(final):
@@ -406,7 +422,8 @@ class CheckpointManager:
 class _PendingSave:
     """An asynchronous save: DCP's upload future, then (rank 0) the finalize step in a thread."""
 
-    def __init__(self, upload, finalize: Callable[[], None], started: float, is_main: bool):
+    def __init__(self, step: int, upload, finalize: Callable[[], None], started: float, is_main: bool):
+        self.step = step
         self.started, self.done_at = started, started
         self._error: BaseException | None = None
         self._upload, self._finalize = upload, finalize

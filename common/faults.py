@@ -268,6 +268,8 @@ class FaultInjector:
                                   shard is written and before the rename (MMP_FAULT_SAVE_PAUSE_S:
                                   sleep that long there instead, for a kill from outside)
       MMP_FAULT_SAVE_ERROR=N      raise OSError(ENOSPC) on rank 0 at that point of step N's save
+      MMP_FAULT_SLOW_SAVE_S=S     every save (synchronous or asynchronous) sleeps S seconds on rank 0
+                                  before its rename, as slow storage would
       MMP_FAULT_NAN_LOSS_AT_STEP=N[,M..]  the step's loss becomes NaN (MMP_FAULT_BAD_VALUE=inf: inf)
       MMP_FAULT_NAN_GRAD_AT_STEP=N[,M..]  one element of one gradient becomes NaN (or inf)
       MMP_FAULT_RECORD_KEYS=1     append the sample keys of every step to <run.dir>/keys_rank<r>.jsonl
@@ -362,6 +364,14 @@ class FaultInjector:
     def _die(self, what: str) -> None:
         print(f"[rank {self.rank}] fault injection: {what}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def slow_save(rank: int) -> None:
+    """MMP_FAULT_SLOW_SAVE_S (see FaultInjector), called where rank 0 makes a save a checkpoint."""
+    pause = float(os.environ.get("MMP_FAULT_SLOW_SAVE_S") or 0) if rank == 0 else 0
+    if pause:
+        print(f"[rank {rank}] fault injection: a save slowed by {pause:g} s", file=sys.stderr, flush=True)
+        time.sleep(pause)
 
 
 def in_sync_save(step: int, rank: int, tmp_dir: str) -> None:

@@ -95,7 +95,9 @@ def train(spec: PipelineSpec, argv=None, cfg=None) -> int:
     try:
         summary = trainer.fit()
     except KeyboardInterrupt:
-        # Ctrl-C: stop at once (train.save_on_signal=SIGINT,... would save the step in flight first).
+        # Ctrl-C: stop at once (train.save_on_signal=SIGINT,... would save the step in flight first),
+        # but let an asynchronous save already written in the background become a checkpoint.
+        _finish_save_after_interrupt(trainer.ckpt, info.is_main)
         latest = latest_complete(os.path.join(cfg.run.dir, "checkpoints"))
         if info.is_main:
             where = f"the latest checkpoint is {latest}" if latest else "no checkpoint was completed yet"
@@ -115,6 +117,24 @@ def train(spec: PipelineSpec, argv=None, cfg=None) -> int:
             print(f"checkpoint saved at step {summary['step']}: the same command resumes from it", flush=True)
     mdist.teardown()
     return 128 + stop_signal if stop_signal else 0  # as a shell reports a process the signal ended
+
+
+def _finish_save_after_interrupt(ckpt, is_main: bool) -> None:
+    """After Ctrl-C: wait for the asynchronous save in flight (its writer is a daemon thread the
+    exit would cut off); a second Ctrl-C abandons it, and the checkpoint before stays `latest`."""
+    step = ckpt.pending_step
+    if step is None:
+        return
+    if is_main:
+        print(f"\ninterrupted: waiting for the checkpoint of step {step}, still being written "
+              "(Ctrl-C again abandons it)", file=sys.stderr, flush=True)
+    try:
+        ckpt.wait_here()
+    except KeyboardInterrupt:
+        pass
+    except CheckpointError as e:
+        if is_main:
+            print(f"warning: {e}", file=sys.stderr, flush=True)
 
 
 def make_loader(spec: PipelineSpec, comp, cfg, *, dp_rank: int, dp_size: int) -> StreamingLoader:

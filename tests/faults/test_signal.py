@@ -76,12 +76,12 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(synth_data, tmp_
     assert [e["step"] for e in events(run, "resume")] == [3] and latest(run) == "step_00000006"
 
 
-def start_slowed(cmd: list[str], seconds_per_step: float, **popen) -> subprocess.Popen:
+def start_slowed(cmd: list[str], seconds_per_step: float, extra_env: dict | None = None, **popen) -> subprocess.Popen:
     """The command started with rank 0 slowed by `seconds_per_step` (MMP_FAULT_SLOW_*), so that a
     signal sent while it trains comes mid-run whatever this machine's speed."""
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**env(), "MMP_FAULT_SLOW_RANK": "0", "MMP_FAULT_SLOW_S": str(seconds_per_step)},
-                            **popen)
+                            env={**env(), "MMP_FAULT_SLOW_RANK": "0", "MMP_FAULT_SLOW_S": str(seconds_per_step),
+                                 **(extra_env or {})}, **popen)
 
 
 def wait_until(proc: subprocess.Popen, ready, timeout: float = 240) -> None:
@@ -160,3 +160,25 @@ def test_ctrl_c_stops_at_once_with_one_line_naming_the_checkpoint_to_resume_from
     line = next(x for x in err.splitlines() if x.startswith("interrupted at step "))
     assert f"the latest checkpoint is {os.path.join(run, 'checkpoints', latest(run))}" in line, line
     assert "the same command resumes from it" in line
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_an_asynchronous_write_waits_for_that_checkpoint(synth_data, tmp_path):
+    """The asynchronous writer is a daemon thread: an exit on Ctrl-C would cut it off and lose a
+    checkpoint whose data was already on its way to disk. The run waits for it (slow storage:
+    MMP_FAULT_SLOW_SAVE_S), says so, and it becomes `latest`."""
+    run = str(tmp_path / "run")
+    cmd = [sys.executable, "-m", "pipelines.text2image.train",
+           *train_args(run, synth_data, "train.steps=200", "train.ckpt_async=true", "data.num_workers=1")]
+    proc = start_slowed(cmd, 0.1, {"MMP_FAULT_SLOW_SAVE_S": "4"}, start_new_session=True)
+    # DCP's .metadata comes last in the writer thread: the step's own save() has long returned.
+    written = os.path.join(run, "checkpoints", "step_00000002.tmp", ".metadata")
+    wait_until(proc, lambda: os.path.exists(written))
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, f"rc {proc.returncode}\n{out[-2000:]}\n{err[-4000:]}"
+    assert "Traceback" not in err, err[-4000:]
+    assert "interrupted: waiting for the checkpoint of step 2, still being written" in err, err[-4000:]
+    assert latest(run) == "step_00000002" and len(checkpoint_state(step_dir(run, 2))) > 0
+    line = next(x for x in err.splitlines() if x.startswith("interrupted at step "))
+    assert f"the latest checkpoint is {step_dir(run, 2)}" in line, line
