@@ -6,7 +6,9 @@ is the same work over that measured matmul on every device.
 
 metrics.jsonl is the machine-readable record that tests and benchmarks read: one JSON object per
 logged step (plus event lines such as resumes), appended and flushed line by line so a killed run
-keeps everything it logged.
+keeps everything it logged. It holds one timeline, as TensorBoard's purge does: a run resuming at
+step S moves the records of steps after S (which it logs again), and a killed run's torn last line,
+to metrics.abandoned.jsonl.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.checkpoint import write_text_durably
 from common.dist import all_gather_floats, distributed
 
 
@@ -247,18 +250,51 @@ class StepProfiler:
             self.prof = None
 
 
+ABANDONED = "metrics.abandoned.jsonl"
+
+
+def set_aside_abandoned(path: str, start_step: int) -> int:
+    """Moves the lines of `path` (metrics.jsonl) logged for steps after `start_step`, and a torn
+    line, to ABANDONED beside it; returns how many. Appended there and made durable first, so a
+    crash in between leaves a line in both files, never in neither."""
+    if not os.path.exists(path):
+        return 0
+    keep, moved = [], []
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line) if line.endswith("\n") else None
+            except ValueError:
+                rec = None
+            if rec is None or (isinstance(rec.get("step"), int) and rec["step"] > start_step):
+                moved.append(line if line.endswith("\n") else line + "\n")
+            else:
+                keep.append(line)
+    if not moved:
+        return 0
+    with open(os.path.join(os.path.dirname(path), ABANDONED), "a") as f:
+        f.writelines(moved)
+        f.flush()
+        os.fsync(f.fileno())
+    write_text_durably(path, "".join(keep))
+    return len(moved)
+
+
 class MetricsLogger:
     """Rank 0 writes; other ranks get a logger that does nothing."""
 
     def __init__(self, run_dir: str, enabled: bool, total_steps: int, start_step: int, progress: bool):
         self.enabled = enabled
+        self.set_aside = 0  # lines moved to ABANDONED at the start (see set_aside_abandoned)
         self.bar = None
         self.tb = None
         self.jsonl = None
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
-        self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
+        path = os.path.join(run_dir, "metrics.jsonl")
+        self.set_aside = set_aside_abandoned(path, start_step)
+        self.jsonl = open(path, "a", buffering=1)
         try:
             from torch.utils.tensorboard import SummaryWriter
             # purge_step drops events a killed run logged past the checkpoint it resumes from.

@@ -29,7 +29,7 @@ from common.config import to_yaml
 from common.ema import EMA
 from common.faults import CheckpointInterval, FaultInjector, HangWatchdog, StragglerMonitor, interval_message
 from common.frozen_weights import FrozenModules
-from common.metrics import InputWait, MetricsLogger, StepProfiler, memory_stats, resolve_peak
+from common.metrics import ABANDONED, InputWait, MetricsLogger, StepProfiler, memory_stats, resolve_peak
 from common.optim import build_optimizer, lr_at
 from common.parallel.grads import clip_grads
 from common.parallel.parallel_model import ParallelModel
@@ -175,8 +175,11 @@ class Trainer:
                 f.write(self.config_yaml)
         log = MetricsLogger(cfg.run.dir, self.info.is_main, tc.steps, self.step, tc.progress and self.info.is_main)
         if resumed_from:
-            log.event(event="resume", step=self.step, checkpoint=resumed_from)
+            log.event(event="resume", step=self.step, checkpoint=resumed_from, set_aside=log.set_aside)
             log.message(f"resumed from {resumed_from} at step {self.step}")
+        if log.set_aside:
+            log.message(f"{log.set_aside} metrics.jsonl line(s) of steps after {self.step}, which this run logs "
+                        f"again, moved to {ABANDONED}")
         peak = resolve_peak(self.info.device, self.info.compute_dtype, tc.peak_flops) if self.flops_fn else None
         if peak is not None:
             log.event(event="peak", flops=peak.flops, source=peak.source, matmul_flops=peak.matmul_flops)

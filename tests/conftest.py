@@ -90,7 +90,7 @@ def run_module(module: str, *args: str, timeout: int = 300) -> subprocess.Comple
 
 
 def read_metrics(run_dir: str) -> dict[int, dict]:
-    """step -> the last record logged for it (a resumed run re-logs the steps after its checkpoint)."""
+    """step -> the record logged for it (a resumed run sets its earlier copies aside, common/metrics.py)."""
     out = {}
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         for line in f:

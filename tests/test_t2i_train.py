@@ -97,7 +97,17 @@ def test_resume_after_kill_is_bitwise_identical(synth_data, tmp_path):
     run_train(killed, synth_data, *common, "train.stop_after=5", "data.num_workers=2")
     assert not os.path.exists(os.path.join(killed, "checkpoints", "step_00000006"))
     assert open(os.path.join(killed, "checkpoints", "latest")).read().strip() == "step_00000003"
+    with open(os.path.join(killed, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 6, "lo')  # as a kill in the middle of a line's write leaves it
     run_train(killed, synth_data, *common, "run.resume=auto", "data.num_workers=2")
+    # One timeline: steps 4 and 5, logged before the kill and again after the resume, and the torn
+    # line are set aside, not lost.
+    with open(os.path.join(killed, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, 9))
+    with open(os.path.join(killed, "metrics.abandoned.jsonl")) as f:
+        aside = f.read().splitlines()
+    assert [json.loads(line)["step"] for line in aside[:-1]] == [4, 5] and aside[-1] == '{"step": 6, "lo', aside
     a, b = read_metrics(full), read_metrics(killed)
     for step in range(4, 9):
         assert a[step]["loss"] == b[step]["loss"], (step, a[step]["loss"], b[step]["loss"])
