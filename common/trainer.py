@@ -318,10 +318,11 @@ class Trainer:
             watchdog.beat("the last checkpoint's write")
             self.ckpt.wait()
             if stop_signal is not None and signals.received is not None:
-                log.message(f"checkpoint of step {self.step} complete {signals.seconds_since():.3g} s after "
-                            f"{signals.received.name} (train.signal_grace_s={tc.signal_grace_s:g})")
+                after = signals.seconds_since()
+                log.message(f"checkpoint of step {self.step} complete {after:.3g} s after {signals.received.name} "
+                            f"(train.signal_grace_s={tc.signal_grace_s:g})")
                 log.event(event="saved_on_signal", step=self.step, signal=signals.received.name,
-                          after_signal_s=round(signals.seconds_since(), 3))
+                          after_signal_s=round(after, 3))
             if stop_signal is None:
                 # A signal during the last step's save or samples: the run is complete, but a staged
                 # run (vlm) must not start its next stage, and every rank has to agree on that.
