@@ -11,9 +11,14 @@
 # minutes ahead instead: the ranks save then and exit, torchrun restarts them (a restart from
 # MAX_RESTARTS) and they resume from that checkpoint until the SIGTERM. torchrun ignores SIGUSR1
 # here, which would otherwise end it, and srun with it the whole step.
+# To go on past the time limit, `sbatch --signal=B:USR1@300 ...` signals this script alone: it
+# stops the step with SIGTERM (srun passes it to the torchruns, which pass it to the ranks; they
+# save the step in flight within torchrun's 30 s), then requeues the job (`scontrol requeue`),
+# which runs this script again and resumes from that checkpoint (run.resume=auto).
 # Environment knobs: NPROC_PER_NODE (default: GPUs Slurm gave each node), MASTER_PORT (29500),
 # MAX_RESTARTS (3: torchrun restarts every worker after a failure; run.resume=auto then continues
-# from the latest complete checkpoint), PYTHON (python).
+# from the latest complete checkpoint), REQUEUE (1: on B:USR1 requeue after the save; 0: only
+# save and stop), PYTHON (python).
 #SBATCH --job-name=mmpretrain
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
@@ -37,6 +42,7 @@ NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:?set NPROC_PER_NODE (no GP
 HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 MASTER_PORT=${MASTER_PORT:-29500}
 MAX_RESTARTS=${MAX_RESTARTS:-3}
+REQUEUE=${REQUEUE:-1}
 PYTHON=${PYTHON:-python}
 
 # Threads per worker: the task's CPUs shared by the node's workers (torchrun would otherwise set 1).
@@ -58,8 +64,21 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$THREADS}
 echo "slurm.sh: job ${SLURM_JOB_ID:-?}: $NNODES nodes x $NPROC_PER_NODE processes, rendezvous $HEAD_NODE:$MASTER_PORT," \
      "max restarts $MAX_RESTARTS, module $MODULE"
 
+SRUN_PID=""
+STOPPED_BY_USR1=0
+stop_for_requeue() {
+    local then="then stopping"
+    [ "$REQUEUE" = 1 ] && then="then requeueing job ${SLURM_JOB_ID:-?}"
+    echo "slurm.sh: SIGUSR1 to the batch script: stopping the step (its ranks save the step in flight), $then"
+    STOPPED_BY_USR1=1
+    [ -n "$SRUN_PID" ] && kill -TERM "$SRUN_PID" 2>/dev/null || true
+}
+trap stop_for_requeue USR1
+
 # --kill-on-bad-exit: a node whose torchrun gave up ends the step instead of leaving the others
 # waiting. srun does not inherit sbatch's --cpus-per-task (Slurm >= 22.05): pass it on.
+# In the background, so that the USR1 trap runs while the step does (bash runs traps between
+# commands, and `wait` returns for one).
 srun --nodes="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 ${SLURM_CPUS_PER_TASK:+--cpus-per-task=$SLURM_CPUS_PER_TASK} \
     bash -c 'trap "" USR1; exec "$@"' torchrun \
     "$PYTHON" -m torch.distributed.run \
@@ -69,4 +88,18 @@ srun --nodes="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 ${SLURM_CPUS_PER
     --rdzv-endpoint="$HEAD_NODE:$MASTER_PORT" \
     --rdzv-id="${SLURM_JOB_ID:-mmpretrain}" \
     --max-restarts="$MAX_RESTARTS" \
-    -m "$MODULE" "$@"
+    -m "$MODULE" "$@" &
+SRUN_PID=$!
+while :; do
+    wait "$SRUN_PID" && rc=0 || rc=$?
+    kill -0 "$SRUN_PID" 2>/dev/null || break  # still running: the wait returned for the trap
+done
+if [ "$STOPPED_BY_USR1" = 1 ] && [ "$REQUEUE" = 1 ]; then
+    if scontrol requeue "$SLURM_JOB_ID"; then
+        echo "slurm.sh: job $SLURM_JOB_ID requeued; it resumes from the latest checkpoint when it runs again"
+    else
+        echo "slurm.sh: scontrol requeue $SLURM_JOB_ID failed (requeueing may be off for this job or cluster):" \
+             "submit the same sbatch command again to resume from the latest checkpoint" >&2
+    fi
+fi
+exit "$rc"

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import stat
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -170,8 +172,9 @@ def test_two_torchrun_nodes_with_c10d_rendezvous_match_single_process(single_run
 
 # --------------------------------------------------------------------------- Slurm
 FAKE_SRUN = """#!{python}
-# Fake srun: records its command line, then runs one copy of the command per task on this machine.
-import json, os, subprocess, sys
+# Fake srun: records its command line, then runs one copy of the command per task on this machine;
+# passes SIGTERM on to them, as srun does.
+import json, os, signal, subprocess, sys
 args = sys.argv[1:]
 with open(os.path.join(os.environ["FAKE_SLURM_LOG"], "srun.json"), "w") as f:
     json.dump(args, f)
@@ -181,32 +184,39 @@ while args and args[0].startswith("-"):
     opts[key] = value
 tasks = int(opts["nodes"]) * int(opts["ntasks-per-node"])
 procs = [subprocess.Popen(args, env=dict(os.environ, SLURM_PROCID=str(i), SLURM_NODEID=str(i))) for i in range(tasks)]
+signal.signal(signal.SIGTERM, lambda sig, frame: [p.send_signal(sig) for p in procs])
 sys.exit(max(abs(p.wait()) for p in procs))
 """
 
 FAKE_SCONTROL = """#!/bin/bash
 # Fake scontrol: records its command line; `show hostnames a,b` prints one host a line.
 echo "$@" >> "$FAKE_SLURM_LOG/scontrol.txt"
-[ "$1 $2" = "show hostnames" ] && tr ',' '\\n' <<< "$3"
+if [ "$1 $2" = "show hostnames" ]; then tr ',' '\\n' <<< "$3"; fi
 """
 
 
-@pytest.mark.slow
-@pytest.mark.dist
-def test_slurm_script_runs_one_torchrun_per_node_rendezvous_on_first_node(single_run, synth_data, tmp_path):
-    bin_dir, log_dir, run = tmp_path / "bin", tmp_path / "log", str(tmp_path / "run")
+def fake_slurm(tmp_path) -> tuple[dict, object]:
+    """The environment that puts the fake srun and scontrol first on PATH, and their log folder."""
+    bin_dir, log_dir = tmp_path / "bin", tmp_path / "log"
     bin_dir.mkdir()
     log_dir.mkdir()
     for name, text in (("srun", FAKE_SRUN.format(python=sys.executable)), ("scontrol", FAKE_SCONTROL)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(stat.S_IRWXU)
-    port = free_port()
+    return ({"MASTER_PORT": str(free_port()), "MAX_RESTARTS": "0", "PYTHON": sys.executable,
+             "FAKE_SLURM_LOG": str(log_dir), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}, log_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_slurm_script_runs_one_torchrun_per_node_rendezvous_on_first_node(single_run, synth_data, tmp_path):
+    run = str(tmp_path / "run")
+    fake, log_dir = fake_slurm(tmp_path)
+    port = fake["MASTER_PORT"]
     # What Slurm sets for `sbatch --nodes=2 --gpus-per-node=1 --cpus-per-task=1`; the first node is
     # this machine (the rendezvous host), the second a name only the fake knows.
     slurm = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "localhost,node-b",
-             "SLURM_GPUS_ON_NODE": "1", "SLURM_CPUS_PER_TASK": "1", "MASTER_PORT": str(port),
-             "MAX_RESTARTS": "0", "PYTHON": sys.executable, "FAKE_SLURM_LOG": str(log_dir),
-             "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+             "SLURM_GPUS_ON_NODE": "1", "SLURM_CPUS_PER_TASK": "1", **fake}
     user_args = train_args(run, synth_data, "data.micro_batch_size=4", "parallel.dp_mode=fsdp")
     proc = subprocess.run(["bash", SLURM_SH, MODULE, *user_args], cwd=ROOT, env={**env(), **slurm},
                           capture_output=True, text=True, timeout=300)
@@ -223,3 +233,47 @@ def test_slurm_script_runs_one_torchrun_per_node_rendezvous_on_first_node(single
     assert "launch: world size 2 = 2 nodes x 1 per node, backend gloo" in proc.stdout, proc.stdout[-3000:]
     assert_same_training(single_run, run, range(1, STEPS + 1))
     assert_same_weights(single_run, run)
+
+
+def _metrics(run: str) -> list[dict]:
+    path = os.path.join(run, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.endswith("\n")]
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_slurm_script_on_usr1_saves_requeues_and_the_requeued_job_resumes(synth_data, tmp_path):
+    """`sbatch --signal=B:USR1@T`: the signal reaches the batch script alone. It stops the step with
+    SIGTERM (srun -> torchrun -> ranks, which save the step in flight), requeues the job, and the
+    script's next run (what Slurm starts for the requeued job) resumes there and finishes."""
+    run, steps = str(tmp_path / "run"), 40
+    fake, log_dir = fake_slurm(tmp_path)
+    slurm = {"SLURM_JOB_ID": "4243", "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "localhost",
+             "NPROC_PER_NODE": "2", "SLURM_CPUS_PER_TASK": "2", **fake}
+    cmd = ["bash", SLURM_SH, MODULE, *train_args(run, synth_data, f"train.steps={steps}", "data.micro_batch_size=4")]
+    slowed = {"MMP_FAULT_SLOW_RANK": "0", "MMP_FAULT_SLOW_S": "0.2"}  # the signal lands mid-run
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**env(), **slurm, **slowed}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 240
+        while proc.poll() is None and time.time() < deadline and not any("loss" in r for r in _metrics(run)):
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGUSR1)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    logs = out + err
+    assert "slurm.sh: SIGUSR1 to the batch script: stopping the step" in out, logs[-5000:]
+    assert "slurm.sh: job 4243 requeued" in out, logs[-5000:]
+    assert (log_dir / "scontrol.txt").read_text().splitlines()[-1] == "requeue 4243"
+    stopped = [r["step"] for r in _metrics(run) if r.get("event") == "stopped"]
+    assert len(stopped) == 1 and 1 <= stopped[0] < steps, logs[-5000:]
+    assert open(os.path.join(run, "checkpoints", "latest")).read().strip() == f"step_{stopped[0]:08d}"
+    proc = subprocess.run(cmd, cwd=ROOT, env={**env(), **slurm}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    assert [r["step"] for r in _metrics(run) if r.get("event") == "resume"] == stopped
+    assert open(os.path.join(run, "checkpoints", "latest")).read().strip() == f"step_{steps:08d}"
