@@ -12,9 +12,10 @@
 # MAX_RESTARTS) and they resume from that checkpoint until the SIGTERM. torchrun ignores SIGUSR1
 # here, which would otherwise end it, and srun with it the whole step.
 # To go on past the time limit, `sbatch --signal=B:USR1@300 ...` signals this script alone: it
-# stops the step with SIGTERM (srun passes it to the torchruns, which pass it to the ranks; they
-# save the step in flight within torchrun's 30 s), then requeues the job (`scontrol requeue`),
-# which runs this script again and resumes from that checkpoint (run.resume=auto).
+# sends the step's processes SIGTERM (`scancel --signal=TERM`, as Slurm does at the time limit; not
+# through srun, which ends its tasks on SIGTERM), the ranks save the step in flight within
+# torchrun's 30 s, and the script requeues the job (`scontrol requeue`), which runs it again and
+# resumes from that checkpoint (run.resume=auto).
 # Environment knobs: NPROC_PER_NODE (default: GPUs Slurm gave each node), MASTER_PORT (29500),
 # MAX_RESTARTS (3: torchrun restarts every worker after a failure; run.resume=auto then continues
 # from the latest complete checkpoint), REQUEUE (1: on B:USR1 requeue after the save; 0: only
@@ -71,7 +72,8 @@ stop_for_requeue() {
     [ "$REQUEUE" = 1 ] && then="then requeueing job ${SLURM_JOB_ID:-?}"
     echo "slurm.sh: SIGUSR1 to the batch script: stopping the step (its ranks save the step in flight), $then"
     STOPPED_BY_USR1=1
-    [ -n "$SRUN_PID" ] && kill -TERM "$SRUN_PID" 2>/dev/null || true
+    # Job steps only (not this batch step): torchrun passes SIGTERM on, and the ranks take it too.
+    scancel --signal=TERM "$SLURM_JOB_ID" || echo "slurm.sh: scancel --signal=TERM $SLURM_JOB_ID failed" >&2
 }
 trap stop_for_requeue USR1
 

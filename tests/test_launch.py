@@ -172,9 +172,9 @@ def test_two_torchrun_nodes_with_c10d_rendezvous_match_single_process(single_run
 
 # --------------------------------------------------------------------------- Slurm
 FAKE_SRUN = """#!{python}
-# Fake srun: records its command line, then runs one copy of the command per task on this machine;
-# passes SIGTERM on to them, as srun does.
-import json, os, signal, subprocess, sys
+# Fake srun: records its command line, then runs one copy of the command per task on this machine
+# (their pids in tasks.pids, for the fake scancel).
+import json, os, subprocess, sys
 args = sys.argv[1:]
 with open(os.path.join(os.environ["FAKE_SLURM_LOG"], "srun.json"), "w") as f:
     json.dump(args, f)
@@ -184,7 +184,8 @@ while args and args[0].startswith("-"):
     opts[key] = value
 tasks = int(opts["nodes"]) * int(opts["ntasks-per-node"])
 procs = [subprocess.Popen(args, env=dict(os.environ, SLURM_PROCID=str(i), SLURM_NODEID=str(i))) for i in range(tasks)]
-signal.signal(signal.SIGTERM, lambda sig, frame: [p.send_signal(sig) for p in procs])
+with open(os.path.join(os.environ["FAKE_SLURM_LOG"], "tasks.pids"), "w") as f:
+    f.write(" ".join(str(p.pid) for p in procs))
 sys.exit(max(abs(p.wait()) for p in procs))
 """
 
@@ -194,13 +195,20 @@ echo "$@" >> "$FAKE_SLURM_LOG/scontrol.txt"
 if [ "$1 $2" = "show hostnames" ]; then tr ',' '\\n' <<< "$3"; fi
 """
 
+FAKE_SCANCEL = """#!/bin/bash
+# Fake scancel: records its command line; --signal=TERM signals the fake srun's tasks (job steps).
+echo "$@" >> "$FAKE_SLURM_LOG/scancel.txt"
+if [ "$1" = "--signal=TERM" ]; then kill -TERM $(cat "$FAKE_SLURM_LOG/tasks.pids"); fi
+"""
+
 
 def fake_slurm(tmp_path) -> tuple[dict, object]:
     """The environment that puts the fake srun and scontrol first on PATH, and their log folder."""
     bin_dir, log_dir = tmp_path / "bin", tmp_path / "log"
     bin_dir.mkdir()
     log_dir.mkdir()
-    for name, text in (("srun", FAKE_SRUN.format(python=sys.executable)), ("scontrol", FAKE_SCONTROL)):
+    for name, text in (("srun", FAKE_SRUN.format(python=sys.executable)), ("scontrol", FAKE_SCONTROL),
+                       ("scancel", FAKE_SCANCEL)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(stat.S_IRWXU)
     return ({"MASTER_PORT": str(free_port()), "MAX_RESTARTS": "0", "PYTHON": sys.executable,
@@ -246,9 +254,9 @@ def _metrics(run: str) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.dist
 def test_slurm_script_on_usr1_saves_requeues_and_the_requeued_job_resumes(synth_data, tmp_path):
-    """`sbatch --signal=B:USR1@T`: the signal reaches the batch script alone. It stops the step with
-    SIGTERM (srun -> torchrun -> ranks, which save the step in flight), requeues the job, and the
-    script's next run (what Slurm starts for the requeued job) resumes there and finishes."""
+    """`sbatch --signal=B:USR1@T`: the signal reaches the batch script alone. It sends the job step
+    SIGTERM (scancel; torchrun passes it to the ranks, which save the step in flight), requeues the
+    job, and the script's next run (what Slurm starts for the requeued job) resumes and finishes."""
     run, steps = str(tmp_path / "run"), 40
     fake, log_dir = fake_slurm(tmp_path)
     slurm = {"SLURM_JOB_ID": "4243", "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "localhost",
@@ -269,6 +277,7 @@ def test_slurm_script_on_usr1_saves_requeues_and_the_requeued_job_resumes(synth_
     logs = out + err
     assert "slurm.sh: SIGUSR1 to the batch script: stopping the step" in out, logs[-5000:]
     assert "slurm.sh: job 4243 requeued" in out, logs[-5000:]
+    assert (log_dir / "scancel.txt").read_text().split() == ["--signal=TERM", "4243"]
     assert (log_dir / "scontrol.txt").read_text().splitlines()[-1] == "requeue 4243"
     stopped = [r["step"] for r in _metrics(run) if r.get("event") == "stopped"]
     assert len(stopped) == 1 and 1 <= stopped[0] < steps, logs[-5000:]
