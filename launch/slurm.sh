@@ -16,6 +16,9 @@
 # through srun, which ends its tasks on SIGTERM), the ranks save the step in flight within
 # torchrun's 30 s, and the script requeues the job (`scontrol requeue`), which runs it again and
 # resumes from that checkpoint (run.resume=auto).
+# Prefer one of these early signals to the time limit's own SIGTERM: srun answers a SIGTERM it gets
+# itself by killing its tasks, so how long the ranks then have depends on the order in which Slurm
+# signals srun and them (not checked here: no Slurm on the test machines).
 # Environment knobs: NPROC_PER_NODE (default: GPUs Slurm gave each node), MASTER_PORT (29500),
 # MAX_RESTARTS (3: torchrun restarts every worker after a failure; run.resume=auto then continues
 # from the latest complete checkpoint), REQUEUE (1: on B:USR1 requeue after the save; 0: only
