@@ -71,9 +71,9 @@ echo "slurm.sh: job ${SLURM_JOB_ID:-?}: $NNODES nodes x $NPROC_PER_NODE processe
 SRUN_PID=""
 STOPPED_BY_USR1=0
 stop_for_requeue() {
-    local then="then stopping"
-    [ "$REQUEUE" = 1 ] && then="then requeueing job ${SLURM_JOB_ID:-?}"
-    echo "slurm.sh: SIGUSR1 to the batch script: stopping the step (its ranks save the step in flight), $then"
+    local after="then stopping"
+    [ "$REQUEUE" = 1 ] && after="then requeueing job ${SLURM_JOB_ID:-?}"
+    echo "slurm.sh: SIGUSR1 to the batch script: stopping the step (its ranks save the step in flight), $after"
     STOPPED_BY_USR1=1
     # Job steps only (not this batch step): torchrun passes SIGTERM on, and the ranks take it too.
     scancel --signal=TERM "$SLURM_JOB_ID" || echo "slurm.sh: scancel --signal=TERM $SLURM_JOB_ID failed" >&2
