@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -87,6 +88,13 @@ def run_train(run_dir: str, data_dir: str, *overrides: str, nproc: int = 1, chec
 
 def run_module(module: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return forked_runs.run([sys.executable, "-m", module, *args], env(), ROOT, timeout)
+
+
+def wait_until(proc: subprocess.Popen, ready, timeout: float = 240) -> None:
+    """Poll until ready() or the process ended (its assertions then say why)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None and not ready():
+        time.sleep(0.1)
 
 
 def read_metrics(run_dir: str) -> dict[int, dict]:

@@ -18,14 +18,14 @@ import socket
 import stat
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
 from common.config import ConfigError
 from common.dist import check_devices, launch_env
-from tests.conftest import ROOT, SMALL_MODEL, TINY_YAML, assert_same_training, env, run_train, shared_once
+from tests.conftest import (ROOT, SMALL_MODEL, TINY_YAML, assert_same_training, env, run_train, shared_once,
+                            wait_until)
 from tests.conftest import final_weights as conftest_final_weights
 
 STEPS = 3
@@ -266,9 +266,7 @@ def test_slurm_script_on_usr1_saves_requeues_and_the_requeued_job_resumes(synth_
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**env(), **slurm, **slowed}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.time() + 240
-        while proc.poll() is None and time.time() < deadline and not any("loss" in r for r in _metrics(run)):
-            time.sleep(0.1)
+        wait_until(proc, lambda: any("loss" in r for r in _metrics(run)))
         os.kill(proc.pid, signal.SIGUSR1)
         out, err = proc.communicate(timeout=300)
     finally:

@@ -9,11 +9,10 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from tests.conftest import ROOT, env
+from tests.conftest import ROOT, env, wait_until
 
 from .conftest import REF_STEPS
 from .harness import (checkpoint_state, events, latest, same_losses, same_tensors, step_dir, tail, train,
@@ -82,13 +81,6 @@ def start_slowed(cmd: list[str], seconds_per_step: float, extra_env: dict | None
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**env(), "MMP_FAULT_SLOW_RANK": "0", "MMP_FAULT_SLOW_S": str(seconds_per_step),
                                  **(extra_env or {})}, **popen)
-
-
-def wait_until(proc: subprocess.Popen, ready, timeout: float = 240) -> None:
-    """Poll until ready() or the process ended (its assertions then say why)."""
-    deadline = time.time() + timeout
-    while time.time() < deadline and proc.poll() is None and not ready():
-        time.sleep(0.1)
 
 
 def descendants(pid: int) -> list[int]:
