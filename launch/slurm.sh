@@ -6,19 +6,18 @@
 #       --config pipelines/text2image/configs/base.yaml run.dir=/shared/runs/t2i parallel.tp=8
 #
 # Arguments: the pipeline's train module, then its own arguments (config, key=value overrides).
-# At the time limit Slurm sends every process SIGTERM and, KillWait (30 s) later, SIGKILL: the ranks
-# finish their step and save it (train.save_on_signal). `sbatch --signal=USR1@120 ...` warns two
-# minutes ahead instead: the ranks save then and exit, torchrun restarts them (a restart from
-# MAX_RESTARTS) and they resume from that checkpoint until the SIGTERM. torchrun ignores SIGUSR1
-# here, which would otherwise end it, and srun with it the whole step.
+# At the time limit Slurm sends every process of the job SIGTERM and, KillWait (30 s) later, SIGKILL.
+# The ranks would save the step in flight on it (train.save_on_signal), but srun gets that SIGTERM
+# too and answers it by sending its tasks SIGKILL ("srun: forcing job termination"), so they may not
+# get the time: ask for an early signal instead (not checked here: no Slurm on the test machines).
+# `sbatch --signal=USR1@120 ...` signals the steps two minutes ahead: the ranks save and exit,
+# torchrun restarts them (a restart from MAX_RESTARTS) and they resume from that checkpoint until
+# the time limit. torchrun ignores SIGUSR1 here, which would otherwise end it, and srun with it the
+# whole step.
 # To go on past the time limit, `sbatch --signal=B:USR1@300 ...` signals this script alone: it
-# sends the step's processes SIGTERM (`scancel --signal=TERM`, as Slurm does at the time limit; not
-# through srun, which ends its tasks on SIGTERM), the ranks save the step in flight within
-# torchrun's 30 s, and the script requeues the job (`scontrol requeue`), which runs it again and
-# resumes from that checkpoint (run.resume=auto).
-# Prefer one of these early signals to the time limit's own SIGTERM: srun answers a SIGTERM it gets
-# itself by killing its tasks, so how long the ranks then have depends on the order in which Slurm
-# signals srun and them (not checked here: no Slurm on the test machines).
+# sends the step's processes SIGTERM (`scancel --signal=TERM`, steps only, so srun is spared), the
+# ranks save the step in flight within torchrun's 30 s, and the script requeues the job (`scontrol
+# requeue`), which runs it again and resumes from that checkpoint (run.resume=auto).
 # Environment knobs: NPROC_PER_NODE (default: GPUs Slurm gave each node), MASTER_PORT (29500),
 # MAX_RESTARTS (3: torchrun restarts every worker after a failure; run.resume=auto then continues
 # from the latest complete checkpoint), REQUEUE (1: on B:USR1 requeue after the save; 0: only
