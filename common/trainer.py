@@ -317,11 +317,11 @@ class Trainer:
                     window_t0 = time.perf_counter()
             watchdog.beat("the last checkpoint's write")
             self.ckpt.wait()
-            if stop_signal is not None and signals.received is not None:
-                after = signals.seconds_since()
-                log.message(f"checkpoint of step {self.step} complete {after:.3g} s after {signals.received.name} "
+            if stop_signal is not None:  # every rank: the one(s) the signal reached know when it came
+                after = mdist.all_reduce_floats([signals.seconds_since() or 0.0], op="max")[0]
+                log.message(f"checkpoint of step {self.step} complete {after:.3g} s after {stop_signal.name} "
                             f"(train.signal_grace_s={tc.signal_grace_s:g})")
-                log.event(event="saved_on_signal", step=self.step, signal=signals.received.name,
+                log.event(event="saved_on_signal", step=self.step, signal=stop_signal.name,
                           after_signal_s=round(after, 3))
             if stop_signal is None:
                 # A signal during the last step's save or samples: the run is complete, but a staged

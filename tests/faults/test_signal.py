@@ -70,6 +70,9 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(synth_data, tmp_
     assert "SIGUSR1 received by 1 rank(s): saving a checkpoint at step 3" in proc.stdout + proc.stderr, tail(proc)
     assert latest(run) == "step_00000003"
     assert len(checkpoint_state(step_dir(run, 3))) > 0
+    # Timed from the signal's arrival on rank 1, although rank 0 (which logs) never got it.
+    saved = events(run, "saved_on_signal")
+    assert [(e["step"], e["signal"]) for e in saved] == [(3, "SIGUSR1")] and saved[0]["after_signal_s"] > 0, saved
     proc = train(run, synth_data, "train.steps=6", "train.ckpt_every=100", *layout, nproc=2)
     assert proc.returncode == 0, tail(proc)
     assert [e["step"] for e in events(run, "resume")] == [3] and latest(run) == "step_00000006"
