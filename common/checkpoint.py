@@ -59,6 +59,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from common import dist as mdist
+from common.durable import fsync_dir, write_text_durably
 from common.faults import in_sync_save, slow_save
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -75,26 +76,6 @@ def _quiet_single_process(fn, *args, **kwargs):
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used for this run; printed as one line."""
-
-
-def _fsync_dir(path: str) -> None:
-    """Make the entries of directory `path` (files created or renamed in it) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_text_durably(path: str, text: str) -> None:
-    """path holds the old text or the whole new text, never a part, also across a power cut."""
-    tmp = path + ".partial"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path) or ".")
 
 
 def _step_of(path: str) -> int:
@@ -259,7 +240,7 @@ class CheckpointManager:
             if not is_complete(final) and os.path.isfile(os.path.join(old, META)):
                 shutil.rmtree(final, ignore_errors=True)
                 os.rename(old, final)
-                _fsync_dir(self.root)
+                fsync_dir(self.root)
             else:
                 shutil.rmtree(old, ignore_errors=True)
 
@@ -341,7 +322,7 @@ class CheckpointManager:
 
     def _finalize(self, tmp: str, final: str, name: str, full_meta: dict) -> None:
         """Rank 0, once every rank's data is in `tmp`: meta.json, rename, latest, retention."""
-        slow_save(self.info.rank)  # fault injection (tests): no-op unless MMP_FAULT_SLOW_SAVE_S is set
+        slow_save()  # fault injection (tests): no-op unless MMP_FAULT_SLOW_SAVE_S is set
         # meta.json's fsync also syncs `tmp` itself: the entries of every rank's files.
         write_text_durably(os.path.join(tmp, META), json.dumps(full_meta, indent=1, default=str))
         if os.path.exists(final):
@@ -351,11 +332,11 @@ class CheckpointManager:
             shutil.rmtree(old, ignore_errors=True)
             os.rename(final, old)
             os.rename(tmp, final)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
             shutil.rmtree(old)
         else:
             os.rename(tmp, final)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
         write_text_durably(os.path.join(self.root, "latest"), name + "\n")
         self._retain(final)
 

@@ -236,7 +236,7 @@ class CheckpointInterval:
         interval (save_s: the time the step blocked; write_s: until the data was on disk)."""
         if not self.auto:
             return None
-        step_s = self.mean_step_s if self._steps else save_s
+        step_s = save_s if self.mean_step_s is None else self.mean_step_s
         save_s, step_s, write_s = mdist.all_reduce_floats([save_s, step_s, write_s], op="max")
         self.every = young_daly_steps(save_s, step_s, self.mtbf_hours, min_interval_s=write_s)
         self.next_step = step + self.every
@@ -366,11 +366,11 @@ class FaultInjector:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def slow_save(rank: int) -> None:
+def slow_save() -> None:
     """MMP_FAULT_SLOW_SAVE_S (see FaultInjector), called where rank 0 makes a save a checkpoint."""
-    pause = float(os.environ.get("MMP_FAULT_SLOW_SAVE_S") or 0) if rank == 0 else 0
+    pause = float(os.environ.get("MMP_FAULT_SLOW_SAVE_S") or 0)
     if pause:
-        print(f"[rank {rank}] fault injection: a save slowed by {pause:g} s", file=sys.stderr, flush=True)
+        print(f"[rank 0] fault injection: a save slowed by {pause:g} s", file=sys.stderr, flush=True)
         time.sleep(pause)
 
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common.checkpoint import write_text_durably
 from common.dist import all_gather_floats, distributed
+from common.durable import append_durably, write_text_durably
 
 
 def meta_forward_flops(build, make_args) -> int:
@@ -272,10 +272,7 @@ def set_aside_abandoned(path: str, start_step: int) -> int:
                 keep.append(line)
     if not moved:
         return 0
-    with open(os.path.join(os.path.dirname(path), ABANDONED), "a") as f:
-        f.writelines(moved)
-        f.flush()
-        os.fsync(f.fileno())
+    append_durably(os.path.join(os.path.dirname(path), ABANDONED), "".join(moved))
     write_text_durably(path, "".join(keep))
     return len(moved)
 

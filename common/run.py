@@ -20,11 +20,12 @@ from typing import Callable
 import torch
 
 from common import dist as mdist
-from common.checkpoint import CheckpointError, latest_complete, load_for_inference, write_text_durably
+from common.checkpoint import CheckpointError, latest_complete, load_for_inference
 from common.cli import add_checkpoint_arg
 from common.config import ConfigError, from_yaml_file, parse_cli
 from common.data import StreamingLoader
 from common.data.captions import first_examples
+from common.durable import write_text_durably
 from common.host_memory import apply_host_malloc
 from common.pipeline import PipelineSpec
 from common.trainer import Trainer
